@@ -1,0 +1,355 @@
+//! KV-cache events, modelled on vLLM's `KVEventBatch` and encoded as vLLM encodes them with
+//! msgspec (`array_like=True`, `tag=True`): a batch is the msgpack array `[ts, [event, ...]]`
+//! (a third element, the data-parallel rank, only when set) and each event is an array whose
+//! first element is its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids,
+//! block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
+//! `["AllBlocksCleared"]`. The decoder accepts vLLM's batches too, including trailing fields it
+//! does not know and block hashes sent as bytes (folded to a u64 with xxh3).
+//!
+//! Over HTTP (`GET /kv_events` on a replica) batches travel as frames: an 8-byte big-endian
+//! sequence number, a 4-byte big-endian payload length, then the msgpack payload. The sequence
+//! number is the same one vLLM puts in its ZMQ multipart messages; a gap means a lost batch and
+//! the subscriber must resync from a fresh snapshot.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use rmpv::Value;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u64>,
+        medium: Option<String>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+        medium: Option<String>,
+    },
+    AllBlocksCleared,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventBatch {
+    /// Seconds since the Unix epoch when the batch was published.
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub data_parallel_rank: Option<i64>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum KvEventError {
+    #[error("msgpack decode failed: {0}")]
+    Msgpack(String),
+    #[error("unexpected shape: {0}")]
+    Shape(&'static str),
+    #[error("unknown event tag `{0}`")]
+    UnknownTag(String),
+    #[error("frame of {0} bytes exceeds the {1}-byte limit")]
+    FrameTooLarge(usize, usize),
+}
+
+fn opt_u64(v: Option<u64>) -> Value {
+    v.map_or(Value::Nil, Value::from)
+}
+
+fn opt_str(v: &Option<String>) -> Value {
+    v.as_ref().map_or(Value::Nil, |s| Value::from(s.as_str()))
+}
+
+fn hashes_value(h: &[u64]) -> Value {
+    Value::Array(h.iter().map(|&x| Value::from(x)).collect())
+}
+
+impl KvEvent {
+    fn to_value(&self) -> Value {
+        match self {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+            } => Value::Array(vec![
+                Value::from("BlockStored"),
+                hashes_value(block_hashes),
+                opt_u64(*parent_block_hash),
+                Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+                Value::from(*block_size),
+                opt_u64(*lora_id),
+                opt_str(medium),
+            ]),
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => Value::Array(vec![
+                Value::from("BlockRemoved"),
+                hashes_value(block_hashes),
+                opt_str(medium),
+            ]),
+            KvEvent::AllBlocksCleared => Value::Array(vec![Value::from("AllBlocksCleared")]),
+        }
+    }
+
+    fn from_value(v: &Value) -> Result<Self, KvEventError> {
+        let arr = v.as_array().ok_or(KvEventError::Shape("event is not an array"))?;
+        let tag = arr
+            .first()
+            .and_then(Value::as_str)
+            .ok_or(KvEventError::Shape("event has no tag"))?;
+        let field = |i: usize| arr.get(i).unwrap_or(&Value::Nil);
+        match tag {
+            "BlockStored" => Ok(KvEvent::BlockStored {
+                block_hashes: decode_hashes(field(1))?,
+                parent_block_hash: decode_opt_hash(field(2))?,
+                token_ids: field(3)
+                    .as_array()
+                    .ok_or(KvEventError::Shape("token_ids is not an array"))?
+                    .iter()
+                    .map(|t| {
+                        t.as_u64()
+                            .and_then(|x| u32::try_from(x).ok())
+                            .ok_or(KvEventError::Shape("token id is not a u32"))
+                    })
+                    .collect::<Result<_, _>>()?,
+                block_size: field(4)
+                    .as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or(KvEventError::Shape("block_size is not an integer"))?,
+                lora_id: field(5).as_u64(),
+                medium: field(6).as_str().map(str::to_string),
+            }),
+            "BlockRemoved" => Ok(KvEvent::BlockRemoved {
+                block_hashes: decode_hashes(field(1))?,
+                medium: field(2).as_str().map(str::to_string),
+            }),
+            "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+            other => Err(KvEventError::UnknownTag(other.to_string())),
+        }
+    }
+}
+
+/// vLLM sends hashes as integers (possibly negative when they come from Python's `hash`) or,
+/// with sha256 hashing, as bytes; both become a u64.
+fn decode_hash(v: &Value) -> Result<u64, KvEventError> {
+    if let Some(x) = v.as_u64() {
+        return Ok(x);
+    }
+    if let Some(x) = v.as_i64() {
+        return Ok(x as u64);
+    }
+    if let Some(b) = v.as_slice() {
+        return Ok(xxhash_rust::xxh3::xxh3_64(b));
+    }
+    Err(KvEventError::Shape("block hash is neither an integer nor bytes"))
+}
+
+fn decode_opt_hash(v: &Value) -> Result<Option<u64>, KvEventError> {
+    if v.is_nil() {
+        Ok(None)
+    } else {
+        decode_hash(v).map(Some)
+    }
+}
+
+fn decode_hashes(v: &Value) -> Result<Vec<u64>, KvEventError> {
+    v.as_array()
+        .ok_or(KvEventError::Shape("block_hashes is not an array"))?
+        .iter()
+        .map(decode_hash)
+        .collect()
+}
+
+impl KvEventBatch {
+    /// msgpack bytes, as vLLM's msgspec encoder writes them.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut fields = vec![
+            Value::from(self.ts),
+            Value::Array(self.events.iter().map(KvEvent::to_value).collect()),
+        ];
+        if let Some(rank) = self.data_parallel_rank {
+            fields.push(Value::from(rank));
+        }
+        let mut out = Vec::new();
+        // Writing into a Vec cannot fail.
+        rmpv::encode::write_value(&mut out, &Value::Array(fields)).expect("write to Vec");
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, KvEventError> {
+        let mut rd = bytes;
+        let v = rmpv::decode::read_value(&mut rd)
+            .map_err(|e| KvEventError::Msgpack(e.to_string()))?;
+        let arr = v.as_array().ok_or(KvEventError::Shape("batch is not an array"))?;
+        let ts = arr
+            .first()
+            .and_then(|t| t.as_f64().or_else(|| t.as_i64().map(|x| x as f64)))
+            .ok_or(KvEventError::Shape("batch has no timestamp"))?;
+        let events = arr
+            .get(1)
+            .and_then(Value::as_array)
+            .ok_or(KvEventError::Shape("batch has no event list"))?
+            .iter()
+            .map(KvEvent::from_value)
+            .collect::<Result<_, _>>()?;
+        let data_parallel_rank = arr.get(2).and_then(Value::as_i64);
+        Ok(KvEventBatch {
+            ts,
+            events,
+            data_parallel_rank,
+        })
+    }
+}
+
+/// Largest frame a decoder accepts: a snapshot of a very large cache still fits.
+pub const MAX_FRAME_BYTES: usize = 256 << 20;
+
+/// One frame of the HTTP event stream.
+pub fn encode_frame(seq: u64, batch: &KvEventBatch) -> Bytes {
+    let payload = batch.encode();
+    let mut out = BytesMut::with_capacity(12 + payload.len());
+    out.put_u64(seq);
+    out.put_u32(payload.len() as u32);
+    out.put_slice(&payload);
+    out.freeze()
+}
+
+/// Incremental frame reader for the HTTP event stream.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+}
+
+impl FrameDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feeds bytes; returns every complete `(sequence, batch)` in order.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<(u64, KvEventBatch)>, KvEventError> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        let mut start = 0;
+        while self.buf.len() - start >= 12 {
+            let head = &self.buf[start..start + 12];
+            let seq = u64::from_be_bytes(head[..8].try_into().expect("8 bytes"));
+            let len = u32::from_be_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+            if len > MAX_FRAME_BYTES {
+                return Err(KvEventError::FrameTooLarge(len, MAX_FRAME_BYTES));
+            }
+            if self.buf.len() - start < 12 + len {
+                break;
+            }
+            let batch = KvEventBatch::decode(&self.buf[start + 12..start + 12 + len])?;
+            out.push((seq, batch));
+            start += 12 + len;
+        }
+        self.buf.drain(..start);
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> KvEventBatch {
+        KvEventBatch {
+            ts: 1_700_000_000.5,
+            events: vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![1, u64::MAX],
+                    parent_block_hash: None,
+                    token_ids: vec![5; 32],
+                    block_size: 16,
+                    lora_id: None,
+                    medium: None,
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![7],
+                    medium: Some("GPU".into()),
+                },
+                KvEvent::AllBlocksCleared,
+            ],
+            data_parallel_rank: None,
+        }
+    }
+
+    #[test]
+    fn round_trips_through_msgpack() {
+        let b = sample();
+        assert_eq!(KvEventBatch::decode(&b.encode()).unwrap(), b);
+    }
+
+    /// The bytes msgspec writes for vLLM's `KVEventBatch(ts=1.5, events=[BlockRemoved(
+    /// block_hashes=[7], medium=None)])`: a 2-array of a float64 and a 1-array holding the
+    /// tagged 3-array.
+    #[test]
+    fn matches_vllm_wire_layout() {
+        let b = KvEventBatch {
+            ts: 1.5,
+            events: vec![KvEvent::BlockRemoved {
+                block_hashes: vec![7],
+                medium: None,
+            }],
+            data_parallel_rank: None,
+        };
+        let mut expected = vec![0x92, 0xcb];
+        expected.extend_from_slice(&1.5f64.to_be_bytes());
+        expected.extend_from_slice(&[0x91, 0x93, 0xac]);
+        expected.extend_from_slice(b"BlockRemoved");
+        expected.extend_from_slice(&[0x91, 0x07, 0xc0]);
+        assert_eq!(b.encode(), expected);
+    }
+
+    #[test]
+    fn decodes_vllm_extras_and_byte_hashes() {
+        // A newer vLLM adds trailing fields and may send hashes as bytes.
+        let v = Value::Array(vec![
+            Value::from(2.0),
+            Value::Array(vec![Value::Array(vec![
+                Value::from("BlockStored"),
+                Value::Array(vec![Value::Binary(vec![1, 2, 3]), Value::from(-5i64)]),
+                Value::from(9u64),
+                Value::Array(vec![Value::from(1u32)]),
+                Value::from(16u32),
+                Value::Nil,
+                Value::from("GPU"),
+                Value::from("lora-name"),
+            ])]),
+            Value::from(0i64),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &v).unwrap();
+        let b = KvEventBatch::decode(&bytes).unwrap();
+        assert_eq!(b.data_parallel_rank, Some(0));
+        match &b.events[0] {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                ..
+            } => {
+                assert_eq!(block_hashes[1], (-5i64) as u64);
+                assert_eq!(*parent_block_hash, Some(9));
+            }
+            e => panic!("unexpected {e:?}"),
+        }
+    }
+
+    #[test]
+    fn frames_survive_arbitrary_splits() {
+        let mut wire = encode_frame(1, &sample()).to_vec();
+        wire.extend_from_slice(&encode_frame(2, &sample()));
+        let mut d = FrameDecoder::new();
+        let mut got = Vec::new();
+        for c in wire.chunks(7) {
+            got.extend(d.feed(c).unwrap());
+        }
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].0, 1);
+        assert_eq!(got[1].1, sample());
+    }
+}
