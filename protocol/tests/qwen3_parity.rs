@@ -1,0 +1,66 @@
+//! Parity with HF: the rendered chat and its token ids below were produced by Python's jinja2
+//! (HF's environment: trim_blocks, lstrip_blocks) and the `tokenizers` package from the same
+//! `models/qwen3` files. Needs the default model files (`scripts/fetch-models.sh`).
+
+use std::path::PathBuf;
+
+use protocol::openai::ChatMessage;
+use protocol::tokenizer::{IncrementalDecoder, TextTokenizer};
+
+fn qwen3() -> TextTokenizer {
+    let dir = std::env::var("KVGATE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3"));
+    TextTokenizer::from_dir(&dir).unwrap_or_else(|e| {
+        panic!("default model files missing ({e}); run scripts/fetch-models.sh first")
+    })
+}
+
+const RENDERED: &str = "<|im_start|>system\nYou are a terse assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3? \u{dc}n\u{ef}c\u{f8}d\u{e9} \u{2713}<|im_end|>\n<|im_start|>assistant\n";
+
+const IDS: [u32; 50] = [
+    151644, 8948, 198, 2610, 525, 264, 50537, 17847, 13, 151645, 198, 151644, 872, 198, 3838, 374,
+    220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198, 19, 151645, 198, 151644, 872, 198, 3036,
+    220, 18, 10, 18, 30, 30512, 77, 37572, 66, 74720, 963, 52375, 151645, 198, 151644, 77091, 198,
+];
+
+fn conversation() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("system", "You are a terse assistant."),
+        ChatMessage::new("user", "What is 2+2?"),
+        ChatMessage::new("assistant", "<think>\nadd\n</think>\n\n4"),
+        ChatMessage::new("user", "And 3+3? Ünïcødé ✓"),
+    ]
+}
+
+#[test]
+fn renders_qwen3_chat_template_like_hf() {
+    let tok = qwen3();
+    let text = tok
+        .apply_chat_template(&conversation(), true, None, None)
+        .unwrap();
+    assert_eq!(text, RENDERED);
+}
+
+#[test]
+fn tokenises_like_hf() {
+    let tok = qwen3();
+    assert_eq!(tok.encode(RENDERED, false).unwrap(), IDS.to_vec());
+    assert_eq!(tok.encode_chat(&conversation(), true, None, None).unwrap(), IDS.to_vec());
+    assert_eq!(tok.eos_token_id(), Some(151645));
+}
+
+#[test]
+fn incremental_decoding_reassembles_multibyte_text() {
+    let tok = qwen3();
+    let text = "Ünïcødé ✓ and 日本語 text";
+    let ids = tok.encode(text, false).unwrap();
+    let mut dec = IncrementalDecoder::new();
+    let mut out = String::new();
+    for id in ids {
+        let delta = dec.step(&tok, id).unwrap();
+        assert!(!delta.contains('\u{FFFD}'));
+        out.push_str(&delta);
+    }
+    assert_eq!(out, text);
+}
