@@ -1,1 +1,6 @@
-pub fn placeholder() {}
+//! The kvgate replica: an OpenAI-compatible engine process.
+#![forbid(unsafe_code)]
+
+pub mod capacity;
+pub mod profiles;
+pub mod roofline;
