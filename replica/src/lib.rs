@@ -5,3 +5,4 @@ pub mod block_manager;
 pub mod capacity;
 pub mod profiles;
 pub mod roofline;
+pub mod scheduler;
