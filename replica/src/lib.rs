@@ -1,8 +1,23 @@
-//! The kvgate replica: an OpenAI-compatible engine process.
+//! The kvgate replica: an OpenAI-compatible engine process. A continuous-batching
+//! [`scheduler`] over a paged, prefix-caching [`block_manager`], driven by the [`engine`] loop
+//! through an [`backend::EngineBackend`] — `sim` models step times with the [`roofline`] — and
+//! served over HTTP by [`server`]. [`app::build_server`] assembles it all.
 #![forbid(unsafe_code)]
 
+pub mod api;
+pub mod app;
+pub mod backend;
 pub mod block_manager;
 pub mod capacity;
+pub mod engine;
+pub mod generate;
+pub mod info;
+pub mod kv_hub;
+pub mod metrics;
 pub mod profiles;
 pub mod roofline;
 pub mod scheduler;
+pub mod server;
+pub mod sim;
+
+pub use app::{build_server, ReplicaConfig, ReplicaServer};

@@ -1,0 +1,44 @@
+//! The seam between the scheduler and whatever runs the model: an [`EngineBackend`] executes
+//! one planned step and returns the sampled tokens and how long the step takes. `sim` models the
+//! time (the engine then waits it out); `cpu` and `cuda` will compute for real and return no
+//! extra wait.
+
+use std::time::Duration;
+
+use crate::roofline::StepCost;
+use crate::scheduler::ScheduledItem;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Sim,
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "sim" => Some(BackendKind::Sim),
+            "cpu" => Some(BackendKind::Cpu),
+            "cuda" => Some(BackendKind::Cuda),
+            _ => None,
+        }
+    }
+}
+
+/// What one step produced.
+#[derive(Debug, Clone, Default)]
+pub struct StepResult {
+    /// One token per item with `samples`, in item order.
+    pub sampled: Vec<u32>,
+    /// How long the engine must still wait before the step's results are real.
+    pub wait: Duration,
+    /// The modelled cost, where the backend models one.
+    pub cost: Option<StepCost>,
+}
+
+pub trait EngineBackend: Send + 'static {
+    /// `sim`, `cpu` or `cuda`: the `--backend` value and the metrics label.
+    fn name(&self) -> &'static str;
+    fn execute(&mut self, items: &[ScheduledItem]) -> StepResult;
+}

@@ -1,0 +1,134 @@
+//! Turning a request's token stream into OpenAI text: incremental detokenisation, stop
+//! strings (matched across token boundaries, with enough text held back that a partial match is
+//! never streamed), finish reasons and usage. Runs in the request's own task, off the engine
+//! loop, so detokenising never delays a step.
+
+use protocol::openai::Usage;
+use protocol::tokenizer::{IncrementalDecoder, TextTokenizer};
+
+use crate::engine::EngineEvent;
+use crate::scheduler::FinishReason;
+
+/// Text and state of one choice.
+pub struct ChoiceState {
+    pub index: u32,
+    decoder: IncrementalDecoder,
+    stops: Vec<String>,
+    holdback: usize,
+    text: String,
+    sent: usize,
+    pub completion_tokens: u32,
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// What one engine event adds to the choice.
+#[derive(Debug, Default, PartialEq)]
+pub struct Delta {
+    pub text: String,
+    pub finish_reason: Option<&'static str>,
+}
+
+impl ChoiceState {
+    pub fn new(index: u32, stops: Vec<String>, prompt_tokens: usize) -> Self {
+        let holdback = stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        ChoiceState {
+            index,
+            decoder: IncrementalDecoder::new(),
+            stops,
+            holdback,
+            text: String::new(),
+            sent: 0,
+            completion_tokens: 0,
+            prompt_tokens: prompt_tokens as u32,
+            cached_tokens: 0,
+            finish_reason: None,
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finish_reason.is_some()
+    }
+
+    /// Full text generated so far (after stop-string truncation once finished).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+    }
+
+    /// Consumes one engine event. An `Err` is an engine failure to report to the client.
+    pub fn on_event(&mut self, tok: &TextTokenizer, ev: EngineEvent) -> Result<Delta, String> {
+        let (token, finish, prompt_tokens, cached) = match ev {
+            EngineEvent::Token {
+                token,
+                finish,
+                prompt_tokens,
+                cached_tokens,
+            } => (token, finish, prompt_tokens, cached_tokens),
+            EngineEvent::Failed(msg) => return Err(msg),
+        };
+        self.completion_tokens += 1;
+        self.prompt_tokens = prompt_tokens as u32;
+        self.cached_tokens = cached as u32;
+        let piece = self.decoder.step(tok, token).map_err(|e| e.to_string())?;
+        self.text.push_str(&piece);
+        // A stop string may straddle the previous piece: search from where it could start.
+        if !self.stops.is_empty() {
+            let from = floor_boundary(&self.text, self.sent.saturating_sub(self.holdback));
+            let hit = self
+                .stops
+                .iter()
+                .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p))
+                .min();
+            if let Some(pos) = hit {
+                self.text.truncate(pos);
+                return Ok(self.finish_with("stop"));
+            }
+        }
+        if let Some(f) = finish {
+            let reason = match f {
+                FinishReason::Stop => "stop",
+                FinishReason::Length => "length",
+            };
+            return Ok(self.finish_with(reason));
+        }
+        let safe = floor_boundary(&self.text, self.text.len().saturating_sub(self.holdback));
+        let out = if safe > self.sent {
+            let d = self.text[self.sent..safe].to_string();
+            self.sent = safe;
+            d
+        } else {
+            String::new()
+        };
+        Ok(Delta {
+            text: out,
+            finish_reason: None,
+        })
+    }
+
+    fn finish_with(&mut self, reason: &'static str) -> Delta {
+        self.finish_reason = Some(reason);
+        let rest = if self.text.len() > self.sent {
+            self.text[self.sent..].to_string()
+        } else {
+            String::new()
+        };
+        self.sent = self.text.len();
+        Delta {
+            text: rest,
+            finish_reason: Some(reason),
+        }
+    }
+}
+
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
