@@ -1,0 +1,109 @@
+//! Shared helpers: start a real replica on 127.0.0.1:0 and wait until it answers.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use replica::ReplicaConfig;
+use tokio::net::TcpListener;
+
+pub fn tokenizer_dir() -> PathBuf {
+    let dir = std::env::var("KVGATE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3"));
+    assert!(
+        dir.join("tokenizer.json").exists(),
+        "default model files missing in {}; run scripts/fetch-models.sh",
+        dir.display()
+    );
+    dir
+}
+
+pub struct Replica {
+    pub base: String,
+    pub client: reqwest::Client,
+}
+
+/// Starts a replica with the default config adjusted by `adjust`.
+pub async fn start_replica(adjust: impl FnOnce(&mut ReplicaConfig)) -> Replica {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut cfg = ReplicaConfig::new(tokenizer_dir());
+    cfg.replica_id = "test-replica".into();
+    adjust(&mut cfg);
+    let server = replica::build_server(cfg, listener).await.unwrap();
+    let base = format!("http://{}", server.local_addr());
+    tokio::spawn(server.run(std::future::pending()));
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = client.get(format!("{base}/health")).send().await {
+            if r.status().is_success() {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "replica never became ready");
+        tokio::task::yield_now().await;
+    }
+    Replica { base, client }
+}
+
+impl Replica {
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn get_json(&self, path: &str) -> serde_json::Value {
+        self.client
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    pub async fn load(&self) -> serde_json::Value {
+        self.get_json("/get_load").await[0].clone()
+    }
+
+    /// Polls `/get_load` until `pred` holds or 20 s pass.
+    pub async fn wait_load(&self, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let l = self.load().await;
+            if pred(&l) {
+                return l;
+            }
+            assert!(Instant::now() < deadline, "load never reached the state: {l}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Sum of the samples of metric `name` whose labels contain `label` (e.g. `reason="abort"`).
+    pub async fn metric_with(&self, name: &str, label: &str) -> f64 {
+        let text = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub async fn metric(&self, name: &str) -> f64 {
+        self.metric_with(name, "").await
+    }
+}
