@@ -12,7 +12,11 @@ use replica::roofline::{KvDtype, Roofline};
 use replica::ReplicaConfig;
 
 #[derive(Parser)]
-#[command(name = "kvgate", version, about = "Prefix-aware LLM gateway with a co-located engine")]
+#[command(
+    name = "kvgate",
+    version,
+    about = "Prefix-aware LLM gateway with a co-located engine"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -183,7 +187,12 @@ fn main() -> Result<()> {
                 bail!("--context must be positive");
             }
             let r = roofline(&a.model)?;
-            let note = capacity_note(&r, a.context, a.model.gpu_memory_utilization, a.gpu_hour_usd);
+            let note = capacity_note(
+                &r,
+                a.context,
+                a.model.gpu_memory_utilization,
+                a.gpu_hour_usd,
+            );
             print!("{}", note.render());
             Ok(())
         }

@@ -67,8 +67,18 @@ fn strftime_now(format: String) -> String {
         .unwrap_or(0);
     let (y, m, d) = civil_from_days((secs / 86_400) as i64);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     format
         .replace("%Y", &format!("{y:04}"))
@@ -138,7 +148,10 @@ impl ChatTemplate {
                 ctx.insert(k.clone(), v.clone());
             }
         }
-        ctx.insert("messages".into(), serde_json::to_value(&msgs).map_err(|e| ApiError::internal(e.to_string()))?);
+        ctx.insert(
+            "messages".into(),
+            serde_json::to_value(&msgs).map_err(|e| ApiError::internal(e.to_string()))?,
+        );
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos_token.clone().into());
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
@@ -176,7 +189,9 @@ mod tests {
     #[test]
     fn raise_exception_becomes_a_400() {
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
-        let e = t.render(&[ChatMessage::new("user", "x")], true, None, None).unwrap_err();
+        let e = t
+            .render(&[ChatMessage::new("user", "x")], true, None, None)
+            .unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.body.error.message.contains("roles must alternate"));
     }

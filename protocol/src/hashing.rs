@@ -53,7 +53,11 @@ pub fn extend_block_hashes(hashes: &mut Vec<u64>, root: u64, tokens: &[u32], blo
     let mut scratch = Vec::with_capacity(8 + 4 * block_size);
     let mut parent = hashes.last().copied().unwrap_or(root);
     for i in hashes.len()..full {
-        let h = hash_into(&mut scratch, parent, &tokens[i * block_size..(i + 1) * block_size]);
+        let h = hash_into(
+            &mut scratch,
+            parent,
+            &tokens[i * block_size..(i + 1) * block_size],
+        );
         hashes.push(h);
         parent = h;
     }

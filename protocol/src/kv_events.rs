@@ -95,7 +95,9 @@ impl KvEvent {
     }
 
     fn from_value(v: &Value) -> Result<Self, KvEventError> {
-        let arr = v.as_array().ok_or(KvEventError::Shape("event is not an array"))?;
+        let arr = v
+            .as_array()
+            .ok_or(KvEventError::Shape("event is not an array"))?;
         let tag = arr
             .first()
             .and_then(Value::as_str)
@@ -144,7 +146,9 @@ fn decode_hash(v: &Value) -> Result<u64, KvEventError> {
     if let Some(b) = v.as_slice() {
         return Ok(xxhash_rust::xxh3::xxh3_64(b));
     }
-    Err(KvEventError::Shape("block hash is neither an integer nor bytes"))
+    Err(KvEventError::Shape(
+        "block hash is neither an integer nor bytes",
+    ))
 }
 
 fn decode_opt_hash(v: &Value) -> Result<Option<u64>, KvEventError> {
@@ -181,9 +185,11 @@ impl KvEventBatch {
 
     pub fn decode(bytes: &[u8]) -> Result<Self, KvEventError> {
         let mut rd = bytes;
-        let v = rmpv::decode::read_value(&mut rd)
-            .map_err(|e| KvEventError::Msgpack(e.to_string()))?;
-        let arr = v.as_array().ok_or(KvEventError::Shape("batch is not an array"))?;
+        let v =
+            rmpv::decode::read_value(&mut rd).map_err(|e| KvEventError::Msgpack(e.to_string()))?;
+        let arr = v
+            .as_array()
+            .ok_or(KvEventError::Shape("batch is not an array"))?;
         let ts = arr
             .first()
             .and_then(|t| t.as_f64().or_else(|| t.as_i64().map(|x| x as f64)))

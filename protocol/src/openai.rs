@@ -107,10 +107,10 @@ impl SamplingFields {
         }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
-                return Err(ApiError::invalid_request(format!(
-                    "top_p must be in (0, 1], got {p}"
-                ))
-                .with_param("top_p"));
+                return Err(
+                    ApiError::invalid_request(format!("top_p must be in (0, 1], got {p}"))
+                        .with_param("top_p"),
+                );
             }
         }
         if let Some(Stop::Many(v)) = &self.stop {
@@ -123,7 +123,7 @@ impl SamplingFields {
         }
         if self.stop_strings().iter().any(|s| s.is_empty()) {
             return Err(
-                ApiError::invalid_request("stop sequences must not be empty").with_param("stop")
+                ApiError::invalid_request("stop sequences must not be empty").with_param("stop"),
             );
         }
         Ok(())
@@ -137,7 +137,7 @@ impl SamplingFields {
 fn validate_max_tokens(value: Option<u32>, param: &str) -> Result<(), ApiError> {
     if value == Some(0) {
         return Err(
-            ApiError::invalid_request(format!("{param} must be at least 1")).with_param(param)
+            ApiError::invalid_request(format!("{param} must be at least 1")).with_param(param),
         );
     }
     Ok(())
@@ -463,7 +463,10 @@ mod tests {
         assert_eq!(r.max_tokens(), Some(7));
         assert_eq!(r.sampling.priority, Some(-1));
         assert!(r.include_usage());
-        assert_eq!(r.messages[0].content.as_ref().unwrap().text().unwrap(), "ab");
+        assert_eq!(
+            r.messages[0].content.as_ref().unwrap().text().unwrap(),
+            "ab"
+        );
         r.validate().unwrap();
     }
 

@@ -46,7 +46,10 @@ fn renders_qwen3_chat_template_like_hf() {
 fn tokenises_like_hf() {
     let tok = qwen3();
     assert_eq!(tok.encode(RENDERED, false).unwrap(), IDS.to_vec());
-    assert_eq!(tok.encode_chat(&conversation(), true, None, None).unwrap(), IDS.to_vec());
+    assert_eq!(
+        tok.encode_chat(&conversation(), true, None, None).unwrap(),
+        IDS.to_vec()
+    );
     assert_eq!(tok.eos_token_id(), Some(151645));
 }
 

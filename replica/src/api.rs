@@ -188,7 +188,9 @@ async fn stream_choice(
         let delta = match choice.on_event(&state.tokenizer, ev) {
             Ok(d) => d,
             Err(msg) => {
-                let _ = tx.send(data_event(&ApiError::invalid_request(msg).body)).await;
+                let _ = tx
+                    .send(data_event(&ApiError::invalid_request(msg).body))
+                    .await;
                 return None;
             }
         };
@@ -253,10 +255,9 @@ async fn collect_choice(
     mut choice: ChoiceState,
 ) -> Result<ChoiceState, ApiError> {
     while !choice.is_finished() {
-        let ev = stream
-            .next()
-            .await
-            .ok_or_else(|| ApiError::unavailable("the engine stopped before the request finished"))?;
+        let ev = stream.next().await.ok_or_else(|| {
+            ApiError::unavailable("the engine stopped before the request finished")
+        })?;
         choice
             .on_event(&state.tokenizer, ev)
             .map_err(ApiError::invalid_request)?;
@@ -367,7 +368,9 @@ pub async fn chat_completions(
     })
     .await?;
     if prompt.is_empty() {
-        return Err(ApiError::invalid_request("the rendered prompt is empty").with_param("messages"));
+        return Err(
+            ApiError::invalid_request("the rendered prompt is empty").with_param("messages")
+        );
     }
     let choice = ChoiceState::new(0, req.sampling.stop_strings(), prompt.len());
     let streams = submit_all(

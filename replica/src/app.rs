@@ -253,8 +253,12 @@ pub async fn build_server(
         enable_prefix_caching: cfg.enable_prefix_caching,
         created: unix_now(),
     };
-    let replica_header = HeaderValue::from_str(&cfg.replica_id)
-        .map_err(|_| BuildError::Invalid(format!("replica id `{}` is not a valid header value", cfg.replica_id)))?;
+    let replica_header = HeaderValue::from_str(&cfg.replica_id).map_err(|_| {
+        BuildError::Invalid(format!(
+            "replica id `{}` is not a valid header value",
+            cfg.replica_id
+        ))
+    })?;
     tracing::info!(
         replica = %info.replica_id,
         model = %info.served_model_name,

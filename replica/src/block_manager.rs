@@ -378,7 +378,11 @@ mod tests {
         p.release(&b);
         p.take_events();
         let got = p.allocate(1).unwrap();
-        assert_eq!(got, vec![a[1]], "tail of the least recently freed chain goes first");
+        assert_eq!(
+            got,
+            vec![a[1]],
+            "tail of the least recently freed chain goes first"
+        );
         assert_eq!(p.lookup_prefix(&[1, 2]), vec![a[0]]);
         let got = p.allocate(2).unwrap();
         assert_eq!(got, vec![a[0], b[1]]);

@@ -100,7 +100,11 @@ impl CapacityNote {
             self.kv_bytes_per_token,
             self.kv_bytes_per_token / 1024.0
         );
-        let _ = writeln!(s, "  weights                 {:.1} GiB", gib(self.weight_bytes));
+        let _ = writeln!(
+            s,
+            "  weights                 {:.1} GiB",
+            gib(self.weight_bytes)
+        );
         let _ = writeln!(
             s,
             "  KV capacity             {} tokens ({:.1} GiB)",
@@ -193,11 +197,18 @@ mod tests {
     #[test]
     fn the_knee_is_a_memory_knee_well_before_the_ridge() {
         let note = capacity_note(&on_h100("mistral-7b"), 2300, 0.9, Some(2.5));
-        assert!((45.0..60.0).contains(&note.memory_knee_batch), "{}", note.memory_knee_batch);
+        assert!(
+            (45.0..60.0).contains(&note.memory_knee_batch),
+            "{}",
+            note.memory_knee_batch
+        );
         assert!((140.0..160.0).contains(&note.compute_ridge_batch));
         assert!(note.sequences_that_fit > 100 && note.sequences_that_fit < 300);
         let text = note.render();
         assert!(text.contains("memory-bandwidth knee"), "{text}");
-        assert!(note.rows.iter().all(|r| r.usd_per_million_tokens.unwrap() > 0.0));
+        assert!(note
+            .rows
+            .iter()
+            .all(|r| r.usd_per_million_tokens.unwrap() > 0.0));
     }
 }

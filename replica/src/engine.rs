@@ -137,7 +137,11 @@ impl EngineHandle {
         }
         if let Some(m) = s.max_tokens {
             if prompt + m > l.max_model_len {
-                return Err(ApiError::context_length_exceeded(prompt + m, prompt, l.max_model_len));
+                return Err(ApiError::context_length_exceeded(
+                    prompt + m,
+                    prompt,
+                    l.max_model_len,
+                ));
             }
         }
         let cache_tokens = l.num_blocks * l.block_size;
@@ -155,7 +159,9 @@ impl EngineHandle {
             priority: s.priority,
             hash_root: s.hash_root,
             max_tokens: s.max_tokens.unwrap_or(l.max_model_len - prompt),
-            seed: s.seed.unwrap_or_else(|| crate::sim::splitmix64(id ^ 0x5eed)),
+            seed: s
+                .seed
+                .unwrap_or_else(|| crate::sim::splitmix64(id ^ 0x5eed)),
             eos_token_id: s.eos_token_id,
             ignore_eos: s.ignore_eos,
         };
@@ -190,7 +196,11 @@ pub struct Engine {
     reported_preemptions: u64,
     window_start: Instant,
     window_tokens: u64,
+    virtual_end: Option<Instant>,
 }
+
+/// Timer lateness carried into the next step's deadline.
+const CATCH_UP: Duration = Duration::from_millis(3);
 
 impl Engine {
     pub fn new(
@@ -225,6 +235,7 @@ impl Engine {
             reported_preemptions: 0,
             window_start: Instant::now(),
             window_tokens: 0,
+            virtual_end: None,
         };
         (engine, handle)
     }
@@ -267,6 +278,7 @@ impl Engine {
             if !self.scheduler.has_work() {
                 self.publish_stats();
                 self.metrics.tokens_per_second.set(0.0);
+                self.virtual_end = None;
                 match self.rx.recv().await {
                     Some(cmd) => self.apply(cmd),
                     None => return,
@@ -291,6 +303,7 @@ impl Engine {
             // Nothing fits and nothing runs (the head waits for blocks that only an abort or a
             // new arrival can change): wait for the next command rather than spin.
             self.publish_stats();
+            self.virtual_end = None;
             if let Some(cmd) = self.rx.recv().await {
                 self.apply(cmd);
             }
@@ -308,9 +321,19 @@ impl Engine {
                 ReplicaMetrics::observe(&self.metrics.queue_seconds, start - l.arrival);
             }
         }
-        if result.wait > cpu {
-            tokio::time::sleep_until((start + result.wait).into()).await;
+        // Steps of a busy period are laid end to end on a virtual clock: the timer wakes up to a
+        // millisecond late, and carrying that lateness into the next step's deadline keeps the
+        // average step at the modelled time. Lateness beyond CATCH_UP (an overloaded host) is
+        // not carried, so the sim slows down rather than bursting.
+        let base = match self.virtual_end {
+            Some(v) if start.saturating_duration_since(v) < CATCH_UP => v,
+            _ => start,
+        };
+        let deadline = base + result.wait;
+        if deadline > Instant::now() {
+            tokio::time::sleep_until(deadline.into()).await;
         }
+        self.virtual_end = Some(deadline);
         let now = Instant::now();
         ReplicaMetrics::observe(&self.metrics.step_seconds, now - start);
         self.hub.publish(events);
@@ -328,7 +351,9 @@ impl Engine {
                         ReplicaMetrics::observe(&self.metrics.prefill_seconds, now - fs);
                     }
                 }
-                Some(prev) => ReplicaMetrics::observe(&self.metrics.inter_token_seconds, now - prev),
+                Some(prev) => {
+                    ReplicaMetrics::observe(&self.metrics.inter_token_seconds, now - prev)
+                }
             }
             l.last_token = Some(now);
             let ev = EngineEvent::Token {

@@ -57,7 +57,11 @@ impl ChoiceState {
     }
 
     pub fn usage(&self) -> Usage {
-        Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        Usage::new(
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+        )
     }
 
     /// Consumes one engine event. An `Err` is an engine failure to report to the client.

@@ -72,8 +72,12 @@ pub async fn tokenize(state: Arc<AppState>, body: &[u8]) -> Result<Response<Body
         match (&req.prompt, &req.messages) {
             (Some(p), None) => Ok(tok.encode(p, req.add_special_tokens.unwrap_or(true))?),
             (None, Some(m)) => {
-                let text =
-                    tok.apply_chat_template(m, req.add_generation_prompt.unwrap_or(true), None, None)?;
+                let text = tok.apply_chat_template(
+                    m,
+                    req.add_generation_prompt.unwrap_or(true),
+                    None,
+                    None,
+                )?;
                 Ok(tok.encode(&text, req.add_special_tokens.unwrap_or(false))?)
             }
             _ => Err(ApiError::invalid_request(

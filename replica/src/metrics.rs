@@ -8,7 +8,9 @@
 
 use std::time::Duration;
 
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Label, Level, Metadata, Recorder, SharedString, Unit};
+use metrics::{
+    Counter, Gauge, Histogram, Key, KeyName, Label, Level, Metadata, Recorder, SharedString, Unit,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 const TIMER_BUCKETS: [f64; 20] = [
@@ -96,23 +98,82 @@ impl ReplicaMetrics {
             SharedString::from("Requests finished, by reason (stop, length, abort)"),
         );
         ReplicaMetrics {
-            queue_seconds: h("kvgate_replica_queue_seconds", Unit::Seconds, "Arrival to first scheduled step"),
-            prefill_seconds: h("kvgate_replica_prefill_seconds", Unit::Seconds, "First scheduled step to first token"),
-            ttft_seconds: h("kvgate_replica_ttft_seconds", Unit::Seconds, "Arrival to first token"),
-            inter_token_seconds: h("kvgate_replica_inter_token_seconds", Unit::Seconds, "Gap between consecutive tokens of a sequence"),
-            e2e_seconds: h("kvgate_replica_e2e_seconds", Unit::Seconds, "Arrival to last token"),
-            step_seconds: h("kvgate_replica_step_seconds", Unit::Seconds, "Engine step duration (modelled for sim)"),
-            step_cpu_seconds: h("kvgate_replica_step_cpu_seconds", Unit::Seconds, "Scheduler and bookkeeping CPU time per step"),
-            batch_size: h("kvgate_replica_batch_size", Unit::Count, "Sequences per engine step"),
-            kv_cache_usage: g("kvgate_replica_kv_cache_usage_ratio", "Fraction of KV blocks in use by running sequences"),
-            cached_blocks: g("kvgate_replica_prefix_cache_blocks", "KV blocks holding a cached prefix block"),
-            requests_waiting: g("kvgate_replica_requests_waiting", "Requests queued for their first step"),
-            requests_running: g("kvgate_replica_requests_running", "Requests in the running batch"),
-            tokens_per_second: g("kvgate_replica_generation_tokens_per_second", "Generated tokens per second over the last second"),
-            preemptions: c("kvgate_replica_preemptions_total", "Sequences preempted (recompute) for lack of KV blocks"),
-            prefix_queries: c("kvgate_replica_prefix_cache_queries_tokens_total", "Prompt tokens looked up in the prefix cache"),
-            prefix_hits: c("kvgate_replica_prefix_cache_hits_tokens_total", "Prompt tokens found in the prefix cache"),
-            prompt_tokens: c("kvgate_replica_prompt_tokens_total", "Prompt tokens of admitted requests"),
+            queue_seconds: h(
+                "kvgate_replica_queue_seconds",
+                Unit::Seconds,
+                "Arrival to first scheduled step",
+            ),
+            prefill_seconds: h(
+                "kvgate_replica_prefill_seconds",
+                Unit::Seconds,
+                "First scheduled step to first token",
+            ),
+            ttft_seconds: h(
+                "kvgate_replica_ttft_seconds",
+                Unit::Seconds,
+                "Arrival to first token",
+            ),
+            inter_token_seconds: h(
+                "kvgate_replica_inter_token_seconds",
+                Unit::Seconds,
+                "Gap between consecutive tokens of a sequence",
+            ),
+            e2e_seconds: h(
+                "kvgate_replica_e2e_seconds",
+                Unit::Seconds,
+                "Arrival to last token",
+            ),
+            step_seconds: h(
+                "kvgate_replica_step_seconds",
+                Unit::Seconds,
+                "Engine step duration (modelled for sim)",
+            ),
+            step_cpu_seconds: h(
+                "kvgate_replica_step_cpu_seconds",
+                Unit::Seconds,
+                "Scheduler and bookkeeping CPU time per step",
+            ),
+            batch_size: h(
+                "kvgate_replica_batch_size",
+                Unit::Count,
+                "Sequences per engine step",
+            ),
+            kv_cache_usage: g(
+                "kvgate_replica_kv_cache_usage_ratio",
+                "Fraction of KV blocks in use by running sequences",
+            ),
+            cached_blocks: g(
+                "kvgate_replica_prefix_cache_blocks",
+                "KV blocks holding a cached prefix block",
+            ),
+            requests_waiting: g(
+                "kvgate_replica_requests_waiting",
+                "Requests queued for their first step",
+            ),
+            requests_running: g(
+                "kvgate_replica_requests_running",
+                "Requests in the running batch",
+            ),
+            tokens_per_second: g(
+                "kvgate_replica_generation_tokens_per_second",
+                "Generated tokens per second over the last second",
+            ),
+            preemptions: c(
+                "kvgate_replica_preemptions_total",
+                "Sequences preempted (recompute) for lack of KV blocks",
+            ),
+            prefix_queries: c(
+                "kvgate_replica_prefix_cache_queries_tokens_total",
+                "Prompt tokens looked up in the prefix cache",
+            ),
+            prefix_hits: c(
+                "kvgate_replica_prefix_cache_hits_tokens_total",
+                "Prompt tokens found in the prefix cache",
+            ),
+            prompt_tokens: c(
+                "kvgate_replica_prompt_tokens_total",
+                "Prompt tokens of admitted requests",
+            ),
             generation_tokens: c("kvgate_replica_generation_tokens_total", "Generated tokens"),
             finished_stop: finished("stop"),
             finished_length: finished("length"),

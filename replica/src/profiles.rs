@@ -176,7 +176,10 @@ impl ModelProfile {
     /// A built-in profile by key (case-insensitive), or a HF `config.json` at that path.
     pub fn resolve(spec: &str) -> Result<Self, ProfileError> {
         let key = spec.to_ascii_lowercase();
-        if let Some(b) = BUILTINS.iter().find(|b| b.key == key || b.name.eq_ignore_ascii_case(spec)) {
+        if let Some(b) = BUILTINS
+            .iter()
+            .find(|b| b.key == key || b.name.eq_ignore_ascii_case(spec))
+        {
             return Ok(ModelProfile {
                 name: b.name.to_string(),
                 num_layers: b.layers,
@@ -308,13 +311,29 @@ mod tests {
     #[test]
     fn builtin_param_counts_match_the_published_sizes() {
         let l = ModelProfile::resolve("llama-3.1-8b").unwrap();
-        assert!((l.total_params() / 1e9 - 8.03).abs() < 0.05, "{}", l.total_params());
+        assert!(
+            (l.total_params() / 1e9 - 8.03).abs() < 0.05,
+            "{}",
+            l.total_params()
+        );
         let q = ModelProfile::resolve("Qwen3-8B").unwrap();
-        assert!((q.total_params() / 1e9 - 8.19).abs() < 0.05, "{}", q.total_params());
+        assert!(
+            (q.total_params() / 1e9 - 8.19).abs() < 0.05,
+            "{}",
+            q.total_params()
+        );
         let m = ModelProfile::resolve("mistral-7b").unwrap();
-        assert!((m.total_params() / 1e9 - 7.25).abs() < 0.05, "{}", m.total_params());
+        assert!(
+            (m.total_params() / 1e9 - 7.25).abs() < 0.05,
+            "{}",
+            m.total_params()
+        );
         let b = ModelProfile::resolve("llama-3.1-70b-tp4").unwrap();
-        assert!((b.total_params() / 1e9 - 70.55).abs() < 0.2, "{}", b.total_params());
+        assert!(
+            (b.total_params() / 1e9 - 70.55).abs() < 0.2,
+            "{}",
+            b.total_params()
+        );
     }
 
     #[test]
@@ -331,7 +350,12 @@ mod tests {
         .unwrap();
         let p = ModelProfile::resolve(path.to_str().unwrap()).unwrap();
         assert_eq!(p.head_dim, 128);
-        assert_eq!(p.layer_params(), ModelProfile::resolve("llama-3.1-8b").unwrap().layer_params());
+        assert_eq!(
+            p.layer_params(),
+            ModelProfile::resolve("llama-3.1-8b")
+                .unwrap()
+                .layer_params()
+        );
         std::fs::write(&path, r#"{"hidden_size":4096}"#).unwrap();
         let e = ModelProfile::resolve(path.to_str().unwrap()).unwrap_err();
         assert!(e.to_string().contains("num_attention_heads"), "{e}");
@@ -340,6 +364,9 @@ mod tests {
     #[test]
     fn unknown_names_list_the_choices() {
         assert!(gpu("v100").unwrap_err().to_string().contains("h100"));
-        assert!(ModelProfile::resolve("gpt-5").unwrap_err().to_string().contains("qwen3-8b"));
+        assert!(ModelProfile::resolve("gpt-5")
+            .unwrap_err()
+            .to_string()
+            .contains("qwen3-8b"));
     }
 }

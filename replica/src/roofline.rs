@@ -123,8 +123,8 @@ impl Roofline {
 
     /// Tokens of KV cache that fit: memory × utilisation − weights.
     pub fn kv_capacity_tokens(&self, gpu_memory_utilization: f64) -> u64 {
-        let free = self.gpu.memory_bytes * self.tp() * gpu_memory_utilization
-            - self.weight_memory_bytes();
+        let free =
+            self.gpu.memory_bytes * self.tp() * gpu_memory_utilization - self.weight_memory_bytes();
         if free <= 0.0 {
             0
         } else {

@@ -48,7 +48,8 @@ pub fn error_response(e: &ApiError) -> Response<Body> {
 /// client that goes away makes the senders' `send` fail.
 pub fn streaming_response(content_type: &'static str) -> (mpsc::Sender<Bytes>, Response<Body>) {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    let body = StreamBody::new(ReceiverStream::new(rx).map(|b| Ok::<_, Infallible>(Frame::data(b))));
+    let body =
+        StreamBody::new(ReceiverStream::new(rx).map(|b| Ok::<_, Infallible>(Frame::data(b))));
     let resp = Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, content_type)
@@ -62,14 +63,19 @@ pub fn streaming_response(content_type: &'static str) -> (mpsc::Sender<Bytes>, R
 pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
     match Limited::new(req.into_body(), limit).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::payload_too_large(limit)),
-        Err(e) => Err(ApiError::invalid_request(format!("cannot read the request body: {e}"))),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ApiError::payload_too_large(limit))
+        }
+        Err(e) => Err(ApiError::invalid_request(format!(
+            "cannot read the request body: {e}"
+        ))),
     }
 }
 
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid_request(format!("invalid JSON body: {e}")).with_code("invalid_json"))
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid_request(format!("invalid JSON body: {e}")).with_code("invalid_json")
+    })
 }
 
 const KNOWN: &[&str] = &[
@@ -127,7 +133,10 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
     }
 }
 
-async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+async fn handle(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
     let header_value = state.replica_header.clone();
     let mut resp = match route(state, req).await {
         Ok(r) => r,

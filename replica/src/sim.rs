@@ -60,7 +60,10 @@ impl SimBackend {
         eos_token_id: Option<u32>,
         time_scale: f64,
     ) -> Self {
-        assert!(!corpus.is_empty(), "the sim corpus must tokenise to something");
+        assert!(
+            !corpus.is_empty(),
+            "the sim corpus must tokenise to something"
+        );
         SimBackend {
             roofline,
             corpus: Arc::new(corpus),

@@ -82,24 +82,49 @@ async fn streaming_arrives_event_by_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_reports_cached_tokens_for_a_shared_prefix() {
     let r = start_replica(|_| {}).await;
-    let first: Value = r.post("/v1/chat/completions", chat("How do I install it?", 4)).await.json().await.unwrap();
+    let first: Value = r
+        .post("/v1/chat/completions", chat("How do I install it?", 4))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let second: Value = r.post("/v1/chat/completions", chat("Which block size?", 4)).await.json().await.unwrap();
+    let second: Value = r
+        .post("/v1/chat/completions", chat("Which block size?", 4))
+        .await
+        .json()
+        .await
+        .unwrap();
 
     // Expected: the full blocks both rendered prompts share.
     let tok = |u: &str| {
         let body = json!({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}]});
         let r = &r;
-        async move { r.post("/tokenize", body).await.json::<Value>().await.unwrap() }
+        async move {
+            r.post("/tokenize", body)
+                .await
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
     };
-    let a: Vec<u64> = serde_json::from_value(tok("How do I install it?").await["tokens"].clone()).unwrap();
-    let b: Vec<u64> = serde_json::from_value(tok("Which block size?").await["tokens"].clone()).unwrap();
+    let a: Vec<u64> =
+        serde_json::from_value(tok("How do I install it?").await["tokens"].clone()).unwrap();
+    let b: Vec<u64> =
+        serde_json::from_value(tok("Which block size?").await["tokens"].clone()).unwrap();
     let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
     let expected = (common / 16).min(cacheable_prompt_blocks(b.len(), 16)) * 16;
     assert!(expected >= 48, "the system prompt spans several blocks");
     assert_eq!(second["usage"]["prompt_tokens"], b.len());
-    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], expected);
-    assert!(r.metric("kvgate_replica_prefix_cache_hits_tokens_total").await >= expected as f64);
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        expected
+    );
+    assert!(
+        r.metric("kvgate_replica_prefix_cache_hits_tokens_total")
+            .await
+            >= expected as f64
+    );
 }
 
 async fn read_frames(
@@ -134,7 +159,12 @@ fn stored_hashes(frames: &[(u64, KvEventBatch)]) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_event_stream_shows_stored_blocks_and_a_late_snapshot() {
     let r = start_replica(|_| {}).await;
-    let early = r.client.get(format!("{}/kv_events", r.base)).send().await.unwrap();
+    let early = r
+        .client
+        .get(format!("{}/kv_events", r.base))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(early.headers()["x-kvgate-replica"], "test-replica");
     let mut early = early.bytes_stream();
     let mut dec = FrameDecoder::new();
@@ -144,7 +174,10 @@ async fn kv_event_stream_shows_stored_blocks_and_a_late_snapshot() {
 
     let prompt: Vec<u32> = (1000..1100).collect();
     let resp: Value = r
-        .post("/v1/completions", json!({"prompt": prompt, "max_tokens": 2, "ignore_eos": true}))
+        .post(
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 2, "ignore_eos": true}),
+        )
         .await
         .json()
         .await
@@ -163,12 +196,21 @@ async fn kv_event_stream_shows_stored_blocks_and_a_late_snapshot() {
     }
 
     // A subscriber that joins now sees the same blocks in its snapshot.
-    let mut late = r.client.get(format!("{}/kv_events", r.base)).send().await.unwrap().bytes_stream();
+    let mut late = r
+        .client
+        .get(format!("{}/kv_events", r.base))
+        .send()
+        .await
+        .unwrap()
+        .bytes_stream();
     let mut dec2 = FrameDecoder::new();
     let snap2 = read_frames(&mut late, &mut dec2, |f| !f.is_empty()).await;
     assert_eq!(snap2[0].1.events[0], KvEvent::AllBlocksCleared);
     let h = stored_hashes(&snap2);
-    assert!(expected.iter().all(|e| h.contains(e)), "late snapshot holds every cached block");
+    assert!(
+        expected.iter().all(|e| h.contains(e)),
+        "late snapshot holds every cached block"
+    );
     assert!(snap2[0].0 >= live.last().unwrap().0);
 }
 
@@ -195,7 +237,11 @@ async fn a_disconnecting_client_frees_its_blocks() {
         .wait_load(|l| l["num_reqs"] == 0 && l["kv_cache_usage"].as_f64() == Some(0.0))
         .await;
     assert_eq!(after["num_tokens"], 0);
-    assert_eq!(r.metric_with("kvgate_replica_requests_finished_total", "reason=\"abort\"").await, 1.0);
+    assert_eq!(
+        r.metric_with("kvgate_replica_requests_finished_total", "reason=\"abort\"")
+            .await,
+        1.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,15 +258,38 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
     assert_eq!(raw.status(), 400);
     let e: Value = raw.json().await.unwrap();
     assert_eq!(e["error"]["type"], "invalid_request_error");
-    assert!(e["error"]["message"].as_str().unwrap().contains("invalid JSON"));
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("invalid JSON"));
 
     let cases = [
         ("/v1/completions", json!({"prompt": ""}), 400, "prompt"),
-        ("/v1/chat/completions", json!({"messages": []}), 400, "messages"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}),
+            400,
+            "messages",
+        ),
         ("/v1/completions", json!({"prompt": "hi", "n": 2}), 400, "n"),
-        ("/v1/completions", json!({"prompt": "hi", "model": "gpt-4o"}), 404, "model"),
-        ("/v1/chat/completions", json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
-        ("/v1/completions", json!({"prompt": [999999999]}), 400, "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "model": "gpt-4o"}),
+            404,
+            "model",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "model",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [999999999]}),
+            400,
+            "prompt",
+        ),
     ];
     for (path, body, status, param) in cases {
         let resp = r.post(path, body.clone()).await;
@@ -231,28 +300,50 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
     }
 
     let long = "word ".repeat(400);
-    let resp = r.post("/v1/completions", json!({"prompt": long, "max_tokens": 4})).await;
+    let resp = r
+        .post("/v1/completions", json!({"prompt": long, "max_tokens": 4}))
+        .await;
     assert_eq!(resp.status(), 400);
     let e: Value = resp.json().await.unwrap();
     let msg = e["error"]["message"].as_str().unwrap();
     assert!(msg.contains("256"), "{msg}");
-    assert!(msg.contains("401") || msg.contains("400"), "names the prompt length: {msg}");
+    assert!(
+        msg.contains("401") || msg.contains("400"),
+        "names the prompt length: {msg}"
+    );
     assert_eq!(e["error"]["code"], "context_length_exceeded");
 
-    let resp = r.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 300})).await;
+    let resp = r
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 300}),
+        )
+        .await;
     assert_eq!(resp.status(), 400);
 
-    let resp = r.client.get(format!("{}/nope", r.base)).send().await.unwrap();
+    let resp = r
+        .client
+        .get(format!("{}/nope", r.base))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
     assert_eq!(resp.headers()["x-kvgate-replica"], "test-replica");
-    let resp = r.client.get(format!("{}/v1/completions", r.base)).send().await.unwrap();
+    let resp = r
+        .client
+        .get(format!("{}/v1/completions", r.base))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 405);
 
     // Nothing was queued or allocated, and a good request still works.
     let l = r.load().await;
     assert_eq!(l["num_reqs"], 0);
     assert_eq!(l["kv_cache_usage"], 0.0);
-    let ok = r.post("/v1/completions", json!({"prompt": "hi", "max_tokens": 3})).await;
+    let ok = r
+        .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 3}))
+        .await;
     assert_eq!(ok.status(), 200);
 }
 
@@ -273,14 +364,27 @@ async fn answers_the_endpoints_sglang_router_and_vllm_clients_use() {
     for p in ["/model_info", "/get_model_info"] {
         assert_eq!(r.get_json(p).await["is_generation"], true);
     }
-    let t: Value = r.post("/tokenize", json!({"prompt": "Hello world"})).await.json().await.unwrap();
+    let t: Value = r
+        .post("/tokenize", json!({"prompt": "Hello world"}))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(t["count"], 2);
-    let d: Value = r.post("/detokenize", json!({"tokens": t["tokens"]})).await.json().await.unwrap();
+    let d: Value = r
+        .post("/detokenize", json!({"tokens": t["tokens"]}))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(d["prompt"], "Hello world");
     // Unknown fields (sglang-router adds its own) are ignored; a batch prompt gets one choice each.
     let resp: Value = r
-        .post("/v1/completions", json!({"model": "Qwen3-8B", "prompt": ["a b", "c d"], "max_tokens": 3,
-                                        "ignore_eos": true, "rid": "x", "return_logprob": false}))
+        .post(
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": ["a b", "c d"], "max_tokens": 3,
+                                        "ignore_eos": true, "rid": "x", "return_logprob": false}),
+        )
         .await
         .json()
         .await
@@ -293,10 +397,19 @@ async fn answers_the_endpoints_sglang_router_and_vllm_clients_use() {
 async fn stop_strings_and_seeds_behave() {
     let r = start_replica(|_| {}).await;
     let body = json!({"prompt": "go", "max_tokens": 30, "seed": 7, "ignore_eos": true});
-    let a: Value = r.post("/v1/completions", body.clone()).await.json().await.unwrap();
+    let a: Value = r
+        .post("/v1/completions", body.clone())
+        .await
+        .json()
+        .await
+        .unwrap();
     let b: Value = r.post("/v1/completions", body).await.json().await.unwrap();
     let text = a["choices"][0]["text"].as_str().unwrap().to_string();
-    assert_eq!(text, b["choices"][0]["text"].as_str().unwrap(), "same seed, same text");
+    assert_eq!(
+        text,
+        b["choices"][0]["text"].as_str().unwrap(),
+        "same seed, same text"
+    );
     // Stop at the third word of that text.
     let words: Vec<&str> = text.split_whitespace().collect();
     let stop = words[2];
@@ -310,5 +423,6 @@ async fn stop_strings_and_seeds_behave() {
     assert_eq!(cut["choices"][0]["finish_reason"], "stop");
     assert_eq!(got, &text[..text.find(stop).unwrap()]);
     // The stopped request was cancelled in the engine.
-    r.wait_load(|l| l["num_reqs"] == 0 && l["kv_cache_usage"].as_f64() == Some(0.0)).await;
+    r.wait_load(|l| l["num_reqs"] == 0 && l["kv_cache_usage"].as_f64() == Some(0.0))
+        .await;
 }

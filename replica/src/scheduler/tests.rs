@@ -33,7 +33,12 @@ fn token_for(item: &ScheduledItem) -> u32 {
 
 fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<SeqOutput>) {
     let out = s.schedule();
-    let sampled: Vec<u32> = out.items.iter().filter(|i| i.samples).map(token_for).collect();
+    let sampled: Vec<u32> = out
+        .items
+        .iter()
+        .filter(|i| i.samples)
+        .map(token_for)
+        .collect();
     let res = s.update(&out, &sampled);
     (out, res)
 }
@@ -118,7 +123,10 @@ fn preemption_frees_blocks_and_later_recomputes_identically() {
     }
     assert!(saw_preemption);
     assert!(small.preemptions() > 0);
-    assert_eq!(got, expected, "recompute resumes each sequence where it stopped");
+    assert_eq!(
+        got, expected,
+        "recompute resumes each sequence where it stopped"
+    );
     assert_eq!(small.pool().lock().num_in_use(), 0);
 }
 
@@ -178,7 +186,13 @@ fn respects_token_budget_and_sequence_cap() {
 fn rejects_prompts_larger_than_the_cache() {
     let mut s = Scheduler::new(cfg(4));
     let e = s.add(req(1, (0..16).collect(), 1)).unwrap_err();
-    assert_eq!(e, AdmitError::TooLargeForCache { needed: 5, total: 4 });
+    assert_eq!(
+        e,
+        AdmitError::TooLargeForCache {
+            needed: 5,
+            total: 4
+        }
+    );
 }
 
 /// The runbook's first failure mode: one 50k-token prompt must not freeze running streams.
@@ -200,7 +214,12 @@ fn chunked_prefill_keeps_every_decode_progressing() {
         enable_prefix_caching: true,
     });
     for i in 0..16 {
-        s.add(req(i, (0..500).map(|t| t + i as u32 * 1000).collect(), 10_000)).unwrap();
+        s.add(req(
+            i,
+            (0..500).map(|t| t + i as u32 * 1000).collect(),
+            10_000,
+        ))
+        .unwrap();
     }
     // Bring the 16 short requests into decode.
     let mut clock = 0.0;
@@ -208,7 +227,8 @@ fn chunked_prefill_keeps_every_decode_progressing() {
         let (out, _) = step(&mut s);
         clock += cost(&roof, &out);
     }
-    s.add(req(99, (0..50_000).map(|t| t % 30_000 + 7).collect(), 1)).unwrap();
+    s.add(req(99, (0..50_000).map(|t| t % 30_000 + 7).collect(), 1))
+        .unwrap();
     let start = clock;
     let mut steps = 0;
     let mut max_step: f64 = 0.0;
@@ -219,9 +239,17 @@ fn chunked_prefill_keeps_every_decode_progressing() {
         max_step = max_step.max(dt);
         steps += 1;
         let decodes: Vec<_> = out.items.iter().filter(|i| i.seq_id != 99).collect();
-        assert_eq!(decodes.len(), 16, "every running decode is scheduled in step {steps}");
+        assert_eq!(
+            decodes.len(),
+            16,
+            "every running decode is scheduled in step {steps}"
+        );
         assert!(decodes.iter().all(|i| i.num_tokens == 1));
-        let long = out.items.iter().find(|i| i.seq_id == 99).expect("prefill chunk");
+        let long = out
+            .items
+            .iter()
+            .find(|i| i.seq_id == 99)
+            .expect("prefill chunk");
         assert!(long.num_tokens <= 2048 - 16);
         if res.iter().any(|r| r.seq_id == 99) {
             break;
@@ -237,7 +265,10 @@ fn chunked_prefill_keeps_every_decode_progressing() {
         samples: true,
     }]);
     assert!(unchunked.seconds > 2.0, "{}", unchunked.seconds);
-    assert!(clock - start > unchunked.seconds, "chunking costs the long prompt a little time");
+    assert!(
+        clock - start > unchunked.seconds,
+        "chunking costs the long prompt a little time"
+    );
 }
 
 fn cost(roof: &Roofline, out: &SchedulerOutput) -> f64 {

@@ -81,7 +81,10 @@ impl Replica {
             if pred(&l) {
                 return l;
             }
-            assert!(Instant::now() < deadline, "load never reached the state: {l}");
+            assert!(
+                Instant::now() < deadline,
+                "load never reached the state: {l}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
