@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# The project's one test command: fetches the default model files (checksummed, idempotent) and
-# runs every test in the workspace.
+# The project's one test command: fetches the default model files (checksummed, idempotent),
+# runs every test in the workspace and closes with one summary line over all test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/fetch-models.sh
-cargo test --workspace --locked
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --locked 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')
+if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
+  failed=1 # a build error or a crashed test binary counts as a failure
+fi
+echo "kvgate: $passed passed, $failed failed"
+exit "$status"
