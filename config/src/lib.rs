@@ -1,7 +1,10 @@
 //! Operator-facing configuration: turns the gateway and policy files under `config/` into
 //! validated structs and reports `field / value / reason` when they are wrong. Pure data plus
-//! validation, no I/O beyond reading the file the caller names and no async runtime.
-//!
-//! The gateway's configuration arrives with the gateway issue; the replica's flags live with the
-//! replica because only the replica reads them.
+//! validation, no async runtime; the caller reads the file and hands over its text.
 #![forbid(unsafe_code)]
+
+pub mod error;
+pub mod policy;
+
+pub use error::{ConfigError, FieldError};
+pub use policy::PolicyConfig;

@@ -1,0 +1,295 @@
+//! The routing-policy section of the policy file: a serde-tagged enum, one variant per policy,
+//! each with its parameters and their defaults. `policies::build` turns it into a policy with one
+//! exhaustive match.
+//!
+//! ```toml
+//! [policy]
+//! kind = "prefix_aware"
+//! load_weight = 256.0
+//! ```
+
+use serde::Deserialize;
+
+use crate::error::{ConfigError, Validator};
+
+/// How consistent hashing keys a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HashKey {
+    /// The session id header, falling back to the prefix when absent.
+    Session,
+    /// The first `prefix_blocks` block hashes of the prompt.
+    Prefix,
+}
+
+fn default_load_factor() -> f64 {
+    1.25
+}
+fn default_virtual_nodes() -> usize {
+    160
+}
+fn default_prefix_blocks() -> usize {
+    4
+}
+fn default_kv_weight() -> f64 {
+    4.0
+}
+fn default_prefill_weight() -> f64 {
+    1.0
+}
+fn default_load_weight() -> f64 {
+    256.0
+}
+fn default_kv_usage_weight() -> f64 {
+    512.0
+}
+fn default_abs_threshold() -> u32 {
+    16
+}
+fn default_rel_threshold() -> f64 {
+    1.5
+}
+fn default_session_header() -> String {
+    "x-session-id".into()
+}
+fn default_fallback() -> Box<PolicyConfig> {
+    Box::new(PolicyConfig::PrefixAware(PrefixAwareConfig::default()))
+}
+
+/// Parameters of `prefix_aware` (see `policies::prefix_aware` for the scoring).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixAwareConfig {
+    /// Cost of one uncached prompt token (prefill work).
+    #[serde(default = "default_prefill_weight")]
+    pub prefill_weight: f64,
+    /// Cost of one request queued or running at the replica, in prompt-token equivalents.
+    #[serde(default = "default_load_weight")]
+    pub load_weight: f64,
+    /// Cost of a full KV cache, in prompt-token equivalents (scaled by the usage ratio).
+    #[serde(default = "default_kv_usage_weight")]
+    pub kv_usage_weight: f64,
+    /// Load guard: affinity is overridden when the preferred replica's load exceeds the least
+    /// loaded replica's by more than this many requests ...
+    #[serde(default = "default_abs_threshold")]
+    pub balance_abs_threshold: u32,
+    /// ... and by more than this factor.
+    #[serde(default = "default_rel_threshold")]
+    pub balance_rel_threshold: f64,
+}
+
+impl Default for PrefixAwareConfig {
+    fn default() -> Self {
+        PrefixAwareConfig {
+            prefill_weight: default_prefill_weight(),
+            load_weight: default_load_weight(),
+            kv_usage_weight: default_kv_usage_weight(),
+            balance_abs_threshold: default_abs_threshold(),
+            balance_rel_threshold: default_rel_threshold(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    /// Each healthy replica in turn.
+    RoundRobin,
+    /// The replica with the fewest requests in flight (gateway's count or the replica's own
+    /// waiting + running, whichever is larger), KV usage breaking near-ties.
+    LeastLoad {
+        /// Requests-equivalent of a full KV cache.
+        #[serde(default = "default_kv_weight")]
+        kv_usage_weight: f64,
+    },
+    /// Consistent hashing with bounded loads (CHWBL).
+    ConsistentHash {
+        #[serde(default = "default_hash_key")]
+        key: HashKey,
+        #[serde(default = "default_prefix_blocks")]
+        prefix_blocks: usize,
+        /// A replica takes at most `load_factor` × the average load before keys spill over.
+        #[serde(default = "default_load_factor")]
+        load_factor: f64,
+        #[serde(default = "default_virtual_nodes")]
+        virtual_nodes: usize,
+    },
+    /// Sticky by session id; requests without one use `fallback`.
+    Session {
+        #[serde(default = "default_session_header")]
+        header: String,
+        #[serde(default = "default_fallback")]
+        fallback: Box<PolicyConfig>,
+    },
+    /// Longest cached prefix against load, with an imbalance guard.
+    PrefixAware(PrefixAwareConfig),
+}
+
+fn default_hash_key() -> HashKey {
+    HashKey::Session
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::PrefixAware(PrefixAwareConfig::default())
+    }
+}
+
+impl PolicyConfig {
+    /// The config `kind`, which is also the policy's metrics label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PolicyConfig::RoundRobin => "round_robin",
+            PolicyConfig::LeastLoad { .. } => "least_load",
+            PolicyConfig::ConsistentHash { .. } => "consistent_hash",
+            PolicyConfig::Session { .. } => "session",
+            PolicyConfig::PrefixAware(_) => "prefix_aware",
+        }
+    }
+
+    /// Parses a `[policy]` table from TOML text and validates it.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let p: PolicyConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        p.validate("policy")?;
+        Ok(p)
+    }
+
+    /// Checks every parameter; `path` prefixes field names in errors.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        let mut v = Validator::new();
+        self.validate_into(path, &mut v);
+        v.finish()
+    }
+
+    fn validate_into(&self, path: &str, v: &mut Validator) {
+        let f = |name: &str| format!("{path}.{name}");
+        match self {
+            PolicyConfig::RoundRobin => {}
+            PolicyConfig::LeastLoad { kv_usage_weight } => {
+                v.check(
+                    kv_usage_weight.is_finite() && *kv_usage_weight >= 0.0,
+                    &f("kv_usage_weight"),
+                    kv_usage_weight,
+                    "must be a non-negative number",
+                );
+            }
+            PolicyConfig::ConsistentHash {
+                prefix_blocks,
+                load_factor,
+                virtual_nodes,
+                ..
+            } => {
+                v.check(
+                    *prefix_blocks >= 1,
+                    &f("prefix_blocks"),
+                    prefix_blocks,
+                    "must be at least 1",
+                );
+                v.check(
+                    load_factor.is_finite() && *load_factor >= 1.0,
+                    &f("load_factor"),
+                    load_factor,
+                    "must be at least 1.0 (1.0 = perfectly even, larger allows more affinity)",
+                );
+                v.check(
+                    (1..=4096).contains(virtual_nodes),
+                    &f("virtual_nodes"),
+                    virtual_nodes,
+                    "must be between 1 and 4096",
+                );
+            }
+            PolicyConfig::Session { header, fallback } => {
+                v.check(
+                    !header.is_empty()
+                        && header
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+                    &f("header"),
+                    format!("{header:?}"),
+                    "must be a non-empty header name (letters, digits, '-', '_')",
+                );
+                if matches!(**fallback, PolicyConfig::Session { .. }) {
+                    v.check(
+                        false,
+                        &f("fallback.kind"),
+                        "session",
+                        "a session policy cannot fall back to another session policy",
+                    );
+                } else {
+                    fallback.validate_into(&f("fallback"), v);
+                }
+            }
+            PolicyConfig::PrefixAware(c) => {
+                for (name, x) in [
+                    ("prefill_weight", c.prefill_weight),
+                    ("load_weight", c.load_weight),
+                    ("kv_usage_weight", c.kv_usage_weight),
+                ] {
+                    v.check(
+                        x.is_finite() && x >= 0.0,
+                        &f(name),
+                        x,
+                        "must be a non-negative number",
+                    );
+                }
+                v.check(
+                    c.balance_rel_threshold.is_finite() && c.balance_rel_threshold >= 1.0,
+                    &f("balance_rel_threshold"),
+                    c.balance_rel_threshold,
+                    "must be at least 1.0",
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_each_kind_with_defaults() {
+        assert_eq!(
+            PolicyConfig::from_toml("kind = \"round_robin\"").unwrap(),
+            PolicyConfig::RoundRobin
+        );
+        let p = PolicyConfig::from_toml("kind = \"prefix_aware\"\nload_weight = 100.0").unwrap();
+        match p {
+            PolicyConfig::PrefixAware(c) => {
+                assert_eq!(c.load_weight, 100.0);
+                assert_eq!(c.balance_abs_threshold, 16);
+            }
+            other => panic!("{other:?}"),
+        }
+        let s = PolicyConfig::from_toml(
+            "kind = \"session\"\n[fallback]\nkind = \"consistent_hash\"\nkey = \"prefix\"",
+        )
+        .unwrap();
+        assert_eq!(s.kind(), "session");
+    }
+
+    #[test]
+    fn reports_field_value_and_reason() {
+        let e = PolicyConfig::from_toml(
+            "kind = \"session\"\nheader = \"\"\n[fallback]\nkind = \"consistent_hash\"\nload_factor = 0.5",
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("policy.header"), "{text}");
+        assert!(
+            text.contains("policy.fallback.load_factor = 0.5: must be at least 1.0"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_kinds_and_fields() {
+        assert!(matches!(
+            PolicyConfig::from_toml("kind = \"random\""),
+            Err(ConfigError::Parse(_))
+        ));
+        let e = PolicyConfig::from_toml("kind = \"least_load\"\nfoo = 1").unwrap_err();
+        assert!(e.to_string().contains("foo"), "{e}");
+    }
+}

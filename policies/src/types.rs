@@ -1,0 +1,217 @@
+//! The seam every policy implements, and the values that cross it.
+
+use std::fmt;
+
+/// Load as the gateway sees it: its own in-flight count plus what the replica last reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoadSignal {
+    /// Requests this gateway has sent and not yet seen finish.
+    pub in_flight: u32,
+    /// The replica's own queue and batch (polled; includes other gateways' traffic).
+    pub waiting: u32,
+    pub running: u32,
+    /// Fraction of the replica's KV blocks in use.
+    pub kv_usage: f64,
+}
+
+impl LoadSignal {
+    /// Requests at the replica: the larger of our exact count and its (slightly stale) report.
+    pub fn requests(&self) -> u32 {
+        self.in_flight.max(self.waiting + self.running)
+    }
+}
+
+/// One replica as a policy sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaView {
+    pub name: String,
+    pub healthy: bool,
+    pub load: LoadSignal,
+}
+
+/// A snapshot of the fleet. Indices into `replicas` are the replica ids policies return.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReplicaSet {
+    pub replicas: Vec<ReplicaView>,
+}
+
+impl ReplicaSet {
+    pub fn healthy(&self) -> impl Iterator<Item = (usize, &ReplicaView)> {
+        self.replicas.iter().enumerate().filter(|(_, r)| r.healthy)
+    }
+}
+
+/// What a policy knows about the request.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// Hashes of the prompt's full blocks, in order (`protocol::hashing`).
+    pub block_hashes: &'a [u64],
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    /// Per replica (same indices as the set): leading blocks of this prompt the prefix index
+    /// believes are cached there, already capped to what the replica could reuse.
+    pub matched_blocks: &'a [usize],
+    pub session_id: Option<&'a str>,
+}
+
+impl RouteRequest<'_> {
+    pub fn matched(&self, replica: usize) -> usize {
+        self.matched_blocks.get(replica).copied().unwrap_or(0)
+    }
+}
+
+/// Why a replica was chosen; its `label` is the bounded metrics label.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DecisionReason {
+    RoundRobin,
+    LeastLoad,
+    /// Consistent hashing; `hops` replicas were skipped because they were over their bound.
+    ConsistentHash {
+        hops: usize,
+    },
+    /// Sticky session.
+    Session,
+    /// No session id: the fallback policy decided.
+    SessionFallback(Box<DecisionReason>),
+    /// The replica with the longest cached prefix won on cost.
+    PrefixMatch {
+        blocks: usize,
+    },
+    /// No replica holds any of the prefix; the cheapest by load won.
+    NoMatch,
+    /// Affinity pointed at `preferred`, which was overloaded against the least-loaded replica.
+    LoadGuard {
+        preferred: usize,
+        preferred_blocks: usize,
+    },
+}
+
+impl DecisionReason {
+    pub fn label(&self) -> &'static str {
+        match self {
+            DecisionReason::RoundRobin => "round_robin",
+            DecisionReason::LeastLoad => "least_load",
+            DecisionReason::ConsistentHash { hops: 0 } => "hash",
+            DecisionReason::ConsistentHash { .. } => "hash_overflow",
+            DecisionReason::Session => "session",
+            DecisionReason::SessionFallback(_) => "session_fallback",
+            DecisionReason::PrefixMatch { .. } => "prefix_match",
+            DecisionReason::NoMatch => "no_match",
+            DecisionReason::LoadGuard { .. } => "load_guard",
+        }
+    }
+}
+
+impl fmt::Display for DecisionReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecisionReason::PrefixMatch { blocks } => write!(f, "prefix_match({blocks} blocks)"),
+            DecisionReason::ConsistentHash { hops } if *hops > 0 => {
+                write!(f, "hash_overflow({hops} hops)")
+            }
+            DecisionReason::LoadGuard {
+                preferred,
+                preferred_blocks,
+            } => write!(
+                f,
+                "load_guard(preferred replica {preferred} with {preferred_blocks} blocks was overloaded)"
+            ),
+            DecisionReason::SessionFallback(inner) => write!(f, "session_fallback/{inner}"),
+            other => f.write_str(other.label()),
+        }
+    }
+}
+
+/// A replica's standing in a cost-based decision (for `explain`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaScore {
+    pub replica: usize,
+    pub matched_blocks: usize,
+    pub load: u32,
+    pub cost: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteDecision {
+    pub replica: usize,
+    pub reason: DecisionReason,
+    /// Blocks of the prompt the index believes the chosen replica holds.
+    pub matched_blocks: usize,
+    /// Every healthy replica's score, where the policy scores (prefix_aware).
+    pub scores: Vec<ReplicaScore>,
+}
+
+impl RouteDecision {
+    pub fn new(replica: usize, reason: DecisionReason, req: &RouteRequest<'_>) -> Self {
+        RouteDecision {
+            replica,
+            reason,
+            matched_blocks: req.matched(replica),
+            scores: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    NoHealthyReplica,
+}
+
+impl fmt::Display for RouteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RouteError::NoHealthyReplica => f.write_str("no healthy replica is available"),
+        }
+    }
+}
+
+impl std::error::Error for RouteError {}
+
+/// Something a policy may want to learn from (replica churn, completions, cache events).
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicyEvent {
+    ReplicaAdded(String),
+    ReplicaRemoved(String),
+    RequestDone { replica: usize },
+}
+
+pub trait RoutingPolicy: Send + Sync + 'static {
+    /// The config `kind` and the metrics label.
+    fn name(&self) -> &'static str;
+    fn route(
+        &self,
+        req: &RouteRequest<'_>,
+        replicas: &ReplicaSet,
+    ) -> Result<RouteDecision, RouteError>;
+    fn observe(&self, _event: &PolicyEvent) {}
+}
+
+/// A fabricated fleet for tests: `loads[i]` requests in flight at replica i, all healthy.
+#[cfg(test)]
+pub(crate) fn fleet(loads: &[u32]) -> ReplicaSet {
+    ReplicaSet {
+        replicas: loads
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| ReplicaView {
+                name: format!("r{i}"),
+                healthy: true,
+                load: LoadSignal {
+                    in_flight: l,
+                    ..LoadSignal::default()
+                },
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteRequest<'a> {
+    RouteRequest {
+        block_hashes: hashes,
+        prompt_tokens: hashes.len() * 16 + 5,
+        block_size: 16,
+        matched_blocks: matched,
+        session_id: None,
+    }
+}
