@@ -1,6 +1,9 @@
-//! The OpenAI-compatible front door built on pingora: reads the body, renders and tokenises the
-//! prompt with the protocol crate, hashes its blocks, asks a routing policy for a replica and
-//! proxies the answer back, streaming.
+//! The OpenAI-compatible front door: reads the body, renders and tokenises the prompt with the
+//! protocol crate, hashes its blocks, asks a routing policy for a replica and proxies the
+//! answer back, streaming.
 //!
-//! Not built yet: it arrives with the gateway issue, on top of the replica engine.
+//! Built so far: the prefix index the policies consult. The pingora service, replica registry,
+//! health checks and KV-event subscribers arrive in the next slices of the gateway issue.
 #![forbid(unsafe_code)]
+
+pub mod prefix_index;

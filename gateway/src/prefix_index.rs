@@ -1,0 +1,293 @@
+//! Which replica holds which prefix block.
+//!
+//! One sharded map (`dashmap`) from block hash to a small entry: a bitmask of replicas that
+//! *reported* the block through their KV event stream (exact), a bitmask of replicas the gateway
+//! *believes* hold it because it routed the prefix there (approximate), and when that belief was
+//! last refreshed. Replicas are slots 0..64 assigned by the gateway's registry.
+//!
+//! - Exact mode: `BlockStored` sets the replica's exact bit, `BlockRemoved` clears both its
+//!   bits, `AllBlocksCleared` (every snapshot starts with one) clears the replica everywhere.
+//! - Approximate mode, for replicas without events: after routing, the request's blocks are
+//!   recorded for the chosen replica with a TTL, and each replica keeps at most `capacity`
+//!   such blocks (least recently recorded go first) — a stand-in for a cache it cannot see.
+//! - Speculative insert: exact-mode replicas get the same approximate record right after
+//!   routing, with a short TTL, so the next request of a conversation matches before the
+//!   replica's event arrives.
+//!
+//! A match is the longest run of consecutive leading blocks present on a replica. Each entry is
+//! 24 bytes plus its 8-byte key and the map's per-slot overhead: under 64 bytes per block.
+
+use std::collections::VecDeque;
+
+use dashmap::DashMap;
+use parking_lot::Mutex;
+use protocol::kv_events::KvEvent;
+
+/// Replicas one index can track (one bit each).
+pub const MAX_REPLICAS: usize = 64;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Entry {
+    exact: u64,
+    approx: u64,
+    /// Seconds (index clock) when an approximate bit was last set.
+    touched: u32,
+}
+
+/// Bytes one indexed block costs, for the size metric: entry, key, and hashbrown's control byte
+/// and load-factor slack.
+pub const BYTES_PER_BLOCK: usize = std::mem::size_of::<Entry>() + 8 + 8;
+
+pub struct PrefixIndex {
+    map: DashMap<u64, Entry>,
+    /// Per replica, approximate records in insertion order, for the capacity bound.
+    approx_lru: Vec<Mutex<VecDeque<(u64, u32)>>>,
+    approx_capacity: usize,
+}
+
+impl PrefixIndex {
+    /// `approx_capacity`: approximate blocks kept per replica.
+    pub fn new(approx_capacity: usize) -> Self {
+        PrefixIndex {
+            map: DashMap::new(),
+            approx_lru: (0..MAX_REPLICAS)
+                .map(|_| Mutex::new(VecDeque::new()))
+                .collect(),
+            approx_capacity,
+        }
+    }
+
+    /// Indexed blocks.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Estimated memory of the index, for `kvgate_gateway_prefix_index_bytes`.
+    pub fn size_bytes(&self) -> usize {
+        self.map.len() * BYTES_PER_BLOCK
+    }
+
+    fn bit(replica: usize) -> u64 {
+        assert!(
+            replica < MAX_REPLICAS,
+            "replica slot {replica} out of range"
+        );
+        1u64 << replica
+    }
+
+    /// Applies one KV event reported by `replica`.
+    pub fn apply(&self, replica: usize, ev: &KvEvent) {
+        let bit = Self::bit(replica);
+        match ev {
+            KvEvent::BlockStored { block_hashes, .. } => {
+                for h in block_hashes {
+                    self.map.entry(*h).or_default().exact |= bit;
+                }
+            }
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                for h in block_hashes {
+                    self.clear_bits(*h, bit);
+                }
+            }
+            KvEvent::AllBlocksCleared => self.clear_exact(replica),
+        }
+    }
+
+    fn clear_bits(&self, hash: u64, bit: u64) {
+        if let dashmap::Entry::Occupied(mut o) = self.map.entry(hash) {
+            let e = o.get_mut();
+            e.exact &= !bit;
+            e.approx &= !bit;
+            if e.exact == 0 && e.approx == 0 {
+                o.remove();
+            }
+        }
+    }
+
+    /// Forgets everything `replica` reported (resync, or the replica left).
+    pub fn clear_exact(&self, replica: usize) {
+        let bit = Self::bit(replica);
+        self.map.retain(|_, e| {
+            e.exact &= !bit;
+            e.exact != 0 || e.approx != 0
+        });
+    }
+
+    /// Forgets everything about `replica`, exact and approximate.
+    pub fn remove_replica(&self, replica: usize) {
+        let bit = Self::bit(replica);
+        self.map.retain(|_, e| {
+            e.exact &= !bit;
+            e.approx &= !bit;
+            e.exact != 0 || e.approx != 0
+        });
+        self.approx_lru[replica].lock().clear();
+    }
+
+    /// Records that `hashes` were just routed to `replica` (approximate / speculative).
+    pub fn record_routed(&self, replica: usize, hashes: &[u64], now: u32) {
+        let bit = Self::bit(replica);
+        let mut lru = self.approx_lru[replica].lock();
+        for &h in hashes {
+            let mut e = self.map.entry(h).or_default();
+            e.approx |= bit;
+            e.touched = now;
+            drop(e);
+            lru.push_back((h, now));
+        }
+        while lru.len() > self.approx_capacity {
+            let Some((h, at)) = lru.pop_front() else {
+                break;
+            };
+            if let dashmap::Entry::Occupied(mut o) = self.map.entry(h) {
+                let e = o.get_mut();
+                // Refreshed since this record: a later record in the queue covers it.
+                if e.touched <= at {
+                    e.approx &= !bit;
+                    if e.exact == 0 && e.approx == 0 {
+                        o.remove();
+                    }
+                }
+            }
+        }
+    }
+
+    /// For each of the first `replicas` slots, how many leading blocks of `hashes` it holds:
+    /// exact bits always count, approximate bits while younger than that replica's `ttl[r]`
+    /// seconds.
+    pub fn match_lengths(
+        &self,
+        hashes: &[u64],
+        replicas: usize,
+        now: u32,
+        ttl: &[u32],
+    ) -> Vec<usize> {
+        let mut out = vec![0usize; replicas];
+        let mut alive: u64 = if replicas >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << replicas) - 1
+        };
+        for (i, h) in hashes.iter().enumerate() {
+            let present = match self.map.get(h) {
+                Some(e) => {
+                    let mut mask = e.exact;
+                    let age = now.saturating_sub(e.touched);
+                    for r in 0..replicas {
+                        if e.approx & (1 << r) != 0 && age < ttl.get(r).copied().unwrap_or(0) {
+                            mask |= 1 << r;
+                        }
+                    }
+                    mask
+                }
+                None => 0,
+            };
+            let dropped = alive & !present;
+            for (r, o) in out.iter_mut().enumerate() {
+                if dropped & (1 << r) != 0 {
+                    *o = i;
+                }
+            }
+            alive &= present;
+            if alive == 0 {
+                return out;
+            }
+        }
+        for (r, o) in out.iter_mut().enumerate() {
+            if alive & (1 << r) != 0 {
+                *o = hashes.len();
+            }
+        }
+        out
+    }
+
+    /// Drops approximate bits older than `max_ttl` (a periodic sweep keeps the map bounded).
+    pub fn expire(&self, now: u32, max_ttl: u32) {
+        self.map.retain(|_, e| {
+            if now.saturating_sub(e.touched) >= max_ttl {
+                e.approx = 0;
+            }
+            e.exact != 0 || e.approx != 0
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hashes: &[u64]) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: None,
+            token_ids: vec![],
+            block_size: 16,
+            lora_id: None,
+            medium: None,
+        }
+    }
+
+    #[test]
+    fn longest_consecutive_run_per_replica_from_events() {
+        let idx = PrefixIndex::new(100);
+        idx.apply(0, &stored(&[1, 2, 3, 4]));
+        idx.apply(1, &stored(&[1, 2]));
+        idx.apply(2, &stored(&[2, 3])); // holds later blocks but not the first: no match
+        assert_eq!(
+            idx.match_lengths(&[1, 2, 3, 9], 3, 0, &[0; 3]),
+            vec![3, 2, 0]
+        );
+        idx.apply(
+            0,
+            &KvEvent::BlockRemoved {
+                block_hashes: vec![2],
+                medium: None,
+            },
+        );
+        assert_eq!(idx.match_lengths(&[1, 2, 3], 3, 0, &[0; 3]), vec![1, 2, 0]);
+        idx.apply(1, &KvEvent::AllBlocksCleared);
+        assert_eq!(idx.match_lengths(&[1, 2, 3], 3, 0, &[0; 3]), vec![1, 0, 0]);
+    }
+
+    #[test]
+    fn approximate_records_expire_and_are_capacity_bounded() {
+        let idx = PrefixIndex::new(4);
+        idx.record_routed(0, &[1, 2, 3], 10);
+        assert_eq!(idx.match_lengths(&[1, 2, 3], 2, 15, &[60, 60]), vec![3, 0]);
+        assert_eq!(
+            idx.match_lengths(&[1, 2, 3], 2, 80, &[60, 60]),
+            vec![0, 0],
+            "expired"
+        );
+        // Capacity 4: recording two more blocks pushes out the oldest record (block 1).
+        idx.record_routed(0, &[7, 8], 20);
+        assert_eq!(idx.match_lengths(&[1, 2, 3], 1, 21, &[60]), vec![0]);
+        assert_eq!(idx.match_lengths(&[7, 8], 1, 21, &[60]), vec![2]);
+        idx.expire(200, 60);
+        assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn exact_bits_outlive_speculation_and_removal_clears_both() {
+        let idx = PrefixIndex::new(100);
+        idx.record_routed(1, &[5, 6], 0);
+        idx.apply(1, &stored(&[5]));
+        assert_eq!(idx.match_lengths(&[5, 6], 2, 100, &[10, 10]), vec![0, 1]);
+        idx.remove_replica(1);
+        assert_eq!(idx.match_lengths(&[5, 6], 2, 0, &[10, 10]), vec![0, 0]);
+        assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn stays_under_64_bytes_per_block() {
+        const { assert!(BYTES_PER_BLOCK <= 64) };
+        let idx = PrefixIndex::new(10);
+        idx.apply(3, &stored(&(0..1000).collect::<Vec<_>>()));
+        assert_eq!(idx.len(), 1000);
+        assert_eq!(idx.size_bytes(), 1000 * BYTES_PER_BLOCK);
+    }
+}
