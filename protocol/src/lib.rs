@@ -9,6 +9,7 @@ pub mod error;
 pub mod hashing;
 pub mod kv_events;
 pub mod openai;
+pub mod segment_cache;
 pub mod sse;
 pub mod tokenizer;
 

@@ -40,6 +40,15 @@ impl From<TokenizerError> for ApiError {
     }
 }
 
+/// A special added token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecialToken {
+    pub id: u32,
+    pub content: String,
+    /// The token absorbs whitespace around it (lstrip / rstrip / single_word).
+    pub strips_whitespace: bool,
+}
+
 /// A loaded tokeniser with its chat template.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
@@ -151,6 +160,23 @@ impl TextTokenizer {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// Special added tokens (content and id), for splitting rendered chat text.
+    pub fn special_tokens(&self) -> Vec<SpecialToken> {
+        let mut v: Vec<SpecialToken> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .map(|(id, t)| SpecialToken {
+                id,
+                strips_whitespace: t.lstrip || t.rstrip || t.single_word,
+                content: t.content,
+            })
+            .collect();
+        v.sort_by_key(|s| s.id);
+        v
     }
 
     /// The textual pieces of `ids` (for `/tokenize`'s `token_strs`).

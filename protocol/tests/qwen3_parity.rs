@@ -67,3 +67,62 @@ fn incremental_decoding_reassembles_multibyte_text() {
     }
     assert_eq!(out, text);
 }
+
+/// A multi-turn conversation tokenised segment by segment (special tokens split the rendered
+/// text) gives the whole-prompt ids, and the next turn reuses the cached segments.
+#[test]
+fn segmented_encoding_equals_whole_prompt_and_reuses_turns() {
+    use protocol::segment_cache::SegmentCache;
+    let tok = qwen3();
+    let cache = SegmentCache::new(&tok, 1 << 20);
+    assert!(cache.is_segmenting());
+    let mut msgs = vec![ChatMessage::new(
+        "system",
+        "You are a meticulous assistant for a logistics company. Quote tracking numbers exactly.",
+    )];
+    for turn in 0..6 {
+        msgs.push(ChatMessage::new(
+            "user",
+            &format!(
+                "Turn {turn}: where is parcel {}? Ünïcødé ✓ \n\n  spaced   out",
+                1000 + turn
+            ),
+        ));
+        let text = tok.apply_chat_template(&msgs, true, None, None).unwrap();
+        let whole = tok.encode(&text, false).unwrap();
+        let before = cache.stats();
+        let seg = cache.encode(&tok, &text).unwrap();
+        assert_eq!(seg, whole, "turn {turn}");
+        if turn > 0 {
+            assert!(
+                cache.stats().hits > before.hits,
+                "turn {turn} reuses earlier segments"
+            );
+        }
+        msgs.push(ChatMessage::new(
+            "assistant",
+            &format!(
+                "<think>\nlooking up\n</think>\n\nParcel {} is in transit, expected tomorrow.",
+                1000 + turn
+            ),
+        ));
+    }
+    assert_eq!(IDS.to_vec(), cache.encode(&tok, RENDERED).unwrap());
+}
+
+#[test]
+fn segment_cache_stays_within_its_byte_budget() {
+    use protocol::segment_cache::SegmentCache;
+    let tok = qwen3();
+    let cache = SegmentCache::new(&tok, 4096);
+    for i in 0..200 {
+        let text = format!("<|im_start|>user\nmessage number {i} with enough words to be cached for sure<|im_end|>\n");
+        assert_eq!(
+            cache.encode(&tok, &text).unwrap(),
+            tok.encode(&text, false).unwrap()
+        );
+    }
+    let s = cache.stats();
+    assert!(s.bytes <= 4096, "{s:?}");
+    assert!(s.entries > 0 && s.entries < 200, "{s:?}");
+}

@@ -1,0 +1,185 @@
+//! Tokenising a rendered chat prompt segment by segment, with a bounded cache of the segments.
+//!
+//! HF tokenizers split the input on special added tokens (`<|im_start|>`, `<|im_end|>`, ...)
+//! before anything else, and tokenise the text between them independently. Chat templates put
+//! such tokens around every message, so a rendered conversation is a sequence of segments, and
+//! turn N+1 repeats turns 1..N's segments verbatim. Encoding each segment separately and
+//! concatenating gives exactly the whole-prompt ids (a test pins this against the Qwen3 files),
+//! and caching segment ids means a multi-turn conversation is not re-tokenised from scratch each
+//! turn. The equivalence needs special tokens that do not strip neighbouring whitespace; for a
+//! tokenizer whose special tokens do, [`SegmentCache::encode`] falls back to whole-prompt
+//! encoding.
+//!
+//! Keys are 128-bit xxh3 hashes of the segment text (a collision is a 2^-128 event), values the
+//! ids; eviction is least-recently-used within a byte budget.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::xxh3_128;
+
+use crate::tokenizer::{TextTokenizer, TokenizerError};
+
+/// Segments shorter than this are encoded directly: caching them costs more than it saves.
+const MIN_CACHED_BYTES: usize = 32;
+
+struct Slot {
+    ids: Arc<[u32]>,
+    last_use: u64,
+    bytes: usize,
+}
+
+#[derive(Default)]
+struct Lru {
+    map: HashMap<u128, Slot>,
+    order: VecDeque<(u128, u64)>,
+    clock: u64,
+    bytes: usize,
+    hits: u64,
+    misses: u64,
+}
+
+/// Splits on special tokens and caches segment ids.
+pub struct SegmentCache {
+    splitter: Option<(AhoCorasick, Vec<u32>)>,
+    max_bytes: usize,
+    lru: Mutex<Lru>,
+}
+
+/// Counters for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentCacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes: usize,
+    pub entries: usize,
+}
+
+impl SegmentCache {
+    /// A cache for `tok` holding at most `max_bytes` of token ids.
+    pub fn new(tok: &TextTokenizer, max_bytes: usize) -> Self {
+        let specials = tok.special_tokens();
+        let splitter = if specials.is_empty() || specials.iter().any(|s| s.strips_whitespace) {
+            None
+        } else {
+            let patterns: Vec<&str> = specials.iter().map(|s| s.content.as_str()).collect();
+            AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(&patterns)
+                .ok()
+                .map(|ac| (ac, specials.iter().map(|s| s.id).collect()))
+        };
+        SegmentCache {
+            splitter,
+            max_bytes,
+            lru: Mutex::new(Lru::default()),
+        }
+    }
+
+    /// Whether segment-wise encoding is in use (false: whole-prompt fallback).
+    pub fn is_segmenting(&self) -> bool {
+        self.splitter.is_some()
+    }
+
+    pub fn stats(&self) -> SegmentCacheStats {
+        let l = self.lru.lock();
+        SegmentCacheStats {
+            hits: l.hits,
+            misses: l.misses,
+            bytes: l.bytes,
+            entries: l.map.len(),
+        }
+    }
+
+    /// Encodes rendered chat text without adding special tokens (the template placed them);
+    /// identical to `tok.encode(text, false)`.
+    pub fn encode(&self, tok: &TextTokenizer, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let Some((ac, ids)) = &self.splitter else {
+            return tok.encode(text, false);
+        };
+        let mut out = Vec::with_capacity(text.len() / 3);
+        let mut at = 0;
+        for m in ac.find_iter(text) {
+            if m.start() > at {
+                self.encode_segment(tok, &text[at..m.start()], &mut out)?;
+            }
+            out.push(ids[m.pattern().as_usize()]);
+            at = m.end();
+        }
+        if at < text.len() {
+            self.encode_segment(tok, &text[at..], &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn encode_segment(
+        &self,
+        tok: &TextTokenizer,
+        seg: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
+        if seg.len() < MIN_CACHED_BYTES {
+            out.extend(tok.encode(seg, false)?);
+            return Ok(());
+        }
+        let key = xxh3_128(seg.as_bytes());
+        {
+            let mut l = self.lru.lock();
+            l.clock += 1;
+            let now = l.clock;
+            if let Some(slot) = l.map.get_mut(&key) {
+                slot.last_use = now;
+                out.extend_from_slice(&slot.ids);
+                l.order.push_back((key, now));
+                l.hits += 1;
+                return Ok(());
+            }
+            l.misses += 1;
+        }
+        let ids: Arc<[u32]> = tok.encode(seg, false)?.into();
+        out.extend_from_slice(&ids);
+        self.insert(key, ids);
+        Ok(())
+    }
+
+    fn insert(&self, key: u128, ids: Arc<[u32]>) {
+        let bytes = ids.len() * 4 + 48;
+        if bytes > self.max_bytes {
+            return;
+        }
+        let mut l = self.lru.lock();
+        l.clock += 1;
+        let now = l.clock;
+        if l.map.contains_key(&key) {
+            return;
+        }
+        l.bytes += bytes;
+        l.map.insert(
+            key,
+            Slot {
+                ids,
+                last_use: now,
+                bytes,
+            },
+        );
+        l.order.push_back((key, now));
+        while l.bytes > self.max_bytes {
+            let Some((k, used)) = l.order.pop_front() else {
+                break;
+            };
+            // Only the newest queue record of a key is authoritative.
+            if l.map.get(&k).is_some_and(|s| s.last_use == used) {
+                if let Some(s) = l.map.remove(&k) {
+                    l.bytes -= s.bytes;
+                }
+            }
+        }
+        // Stale records pile up on hits; compact when they dominate.
+        if l.order.len() > 4 * l.map.len() + 64 {
+            let Lru { map, order, .. } = &mut *l;
+            order.retain(|(k, used)| map.get(k).is_some_and(|s| s.last_use == *used));
+        }
+    }
+}
