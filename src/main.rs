@@ -28,6 +28,45 @@ enum Command {
     Replica(ReplicaArgs),
     /// Print the capacity note for a model on a GPU (cache per token, knee, cost).
     Capacity(CapacityArgs),
+    /// Run the prefix-aware gateway in front of running replicas.
+    Gateway(GatewayArgs),
+    /// Start a gateway and N sim replicas on free ports, on the default model files.
+    Up(UpArgs),
+}
+
+#[derive(Args)]
+struct GatewayArgs {
+    /// The gateway file (see config/gateway.toml).
+    #[arg(long, default_value = "config/gateway.toml")]
+    config: PathBuf,
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// Number of sim replicas.
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// Gateway port (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Admin/metrics port (0: any free port).
+    #[arg(long, default_value_t = 9090)]
+    admin_port: u16,
+    /// Replica model profile.
+    #[arg(long, default_value = "qwen3-8b")]
+    model: String,
+    /// Replica GPU profile.
+    #[arg(long, default_value = "h100")]
+    gpu: String,
+    /// Routing policy kind (round_robin, least_load, consistent_hash, session, prefix_aware).
+    #[arg(long, default_value = "prefix_aware")]
+    policy: String,
+    /// Folder with tokenizer.json and tokenizer_config.json (default: models/qwen3).
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
+    tokenizer: Option<PathBuf>,
+    /// Extra flags for every replica, e.g. --replica-arg=--time-scale=0.1
+    #[arg(long = "replica-arg", allow_hyphen_values = true)]
+    replica_args: Vec<String>,
 }
 
 #[derive(Args)]
@@ -91,6 +130,9 @@ struct ReplicaArgs {
     /// Multiply every modelled step time (sim only; 1.0 = real time).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// Exit when standard input closes (used by `kvgate up`, so replicas never outlive it).
+    #[arg(long, hide = true)]
+    exit_with_stdin: bool,
 }
 
 #[derive(Args)]
@@ -158,12 +200,170 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
         info.num_blocks,
         info.block_size
     );
+    let stdin_closed = async move {
+        if a.exit_with_stdin {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 64];
+            let mut stdin = tokio::io::stdin();
+            while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
     server
         .run(async {
-            let _ = tokio::signal::ctrl_c().await;
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                _ = stdin_closed => {}
+            }
         })
         .await;
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+async fn run_gateway(a: GatewayArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.config)
+        .with_context(|| format!("cannot read {}", a.config.display()))?;
+    let cfg = config::GatewayConfig::from_toml(&text)
+        .with_context(|| format!("invalid gateway file {}", a.config.display()))?;
+    serve_gateway(cfg, shutdown_signal()).await
+}
+
+async fn serve_gateway(
+    cfg: config::GatewayConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let admin = tokio::net::TcpListener::bind(&cfg.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.admin_listen))?;
+    let model = cfg.model.name.clone();
+    let server = gateway::build_gateway(cfg, listener, admin).await?;
+    let (addr, admin_addr) = (server.local_addr(), server.admin_addr());
+    let healthy = server.state().router.registry.healthy_count();
+    println!(
+        "kvgate gateway at http://{addr} ({healthy} healthy replicas); metrics and admin at http://{admin_addr}"
+    );
+    println!();
+    println!("  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
+    println!(
+        "    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":32}}'"
+    );
+    println!();
+    server.run(shutdown).await;
+    Ok(())
+}
+
+/// Starts `a.replicas` replica processes on free ports (all at once) and returns them with
+/// their addresses. Each child exits when our end of its stdin closes, so no replica outlives
+/// this process, however it ends.
+async fn start_replicas(
+    a: &UpArgs,
+    tokenizer: &std::path::Path,
+) -> Result<Vec<(tokio::process::Child, String)>> {
+    use tokio::io::AsyncBufReadExt;
+    let exe = std::env::current_exe().context("cannot find the kvgate binary")?;
+    let mut starting = Vec::new();
+    for i in 0..a.replicas {
+        let mut cmd = tokio::process::Command::new(&exe);
+        cmd.args([
+            "replica", "--port", "0", "--model", &a.model, "--gpu", &a.gpu,
+        ])
+        .arg("--replica-id")
+        .arg(format!("replica-{i}"))
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .arg("--exit-with-stdin")
+        .args(&a.replica_args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+        let mut child = cmd.spawn().context("cannot start a replica")?;
+        let stdout = child.stdout.take().context("replica stdout")?;
+        starting.push((child, tokio::io::BufReader::new(stdout).lines()));
+    }
+    let mut out = Vec::new();
+    for (i, (child, mut lines)) in starting.into_iter().enumerate() {
+        let addr = loop {
+            let line = tokio::time::timeout(std::time::Duration::from_secs(120), lines.next_line())
+                .await
+                .with_context(|| format!("replica-{i} did not start within 120 s"))??
+                .ok_or_else(|| {
+                    anyhow!("replica-{i} exited before it was ready (see its log above)")
+                })?;
+            if let Some((_, url)) = line.split_once(" at http://") {
+                break url.trim().to_string();
+            }
+        };
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        println!("replica-{i} at http://{addr}");
+        out.push((child, addr));
+    }
+    Ok(out)
+}
+
+async fn run_up(a: UpArgs) -> Result<()> {
+    if a.replicas == 0 || a.replicas > 64 {
+        bail!("--replicas must be between 1 and 64");
+    }
+    let tokenizer = match &a.tokenizer {
+        Some(d) => d.clone(),
+        None => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
+            anyhow!("no tokenizer found: run scripts/fetch-models.sh or pass --tokenizer DIR")
+        })?,
+    };
+    let policy = config::PolicyConfig::from_toml(&format!("kind = {:?}", a.policy))
+        .with_context(|| format!("unknown policy `{}`", a.policy))?;
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let children = tokio::select! {
+        r = start_replicas(&a, &tokenizer) => r?,
+        _ = &mut shutdown => {
+            println!("interrupted while starting replicas; stopping them");
+            return Ok(());
+        }
+    };
+    let mut cfg = config::GatewayConfig::with_replicas(
+        children.iter().map(|(_, addr)| addr.clone()).collect(),
+    );
+    cfg.listen = format!("127.0.0.1:{}", a.port);
+    cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
+    cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
+    cfg.model.name = served_model_name(&a.model);
+    cfg.policy = policy;
+    cfg.validate()?;
+    let result = serve_gateway(cfg, shutdown).await;
+    println!("stopping {} replicas", children.len());
+    for (mut child, _) in children {
+        let _ = child.kill().await;
+    }
+    result
+}
+
+/// The name a replica serves for a profile (what clients must send as `model`).
+fn served_model_name(profile: &str) -> String {
+    ModelProfile::resolve(profile)
+        .map(|p| p.name)
+        .unwrap_or_else(|_| profile.to_string())
 }
 
 fn main() -> Result<()> {
@@ -182,6 +382,14 @@ fn main() -> Result<()> {
                 .build()?;
             rt.block_on(run_replica(a))
         }
+        Command::Gateway(a) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(run_gateway(a)),
+        Command::Up(a) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(run_up(a)),
         Command::Capacity(a) => {
             if a.context == 0 {
                 bail!("--context must be positive");

@@ -4,7 +4,9 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod gateway;
 pub mod policy;
 
 pub use error::{ConfigError, FieldError};
+pub use gateway::GatewayConfig;
 pub use policy::PolicyConfig;

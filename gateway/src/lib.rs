@@ -1,9 +1,14 @@
-//! The OpenAI-compatible front door: reads the body, renders and tokenises the prompt with the
-//! protocol crate, hashes its blocks, asks a routing policy for a replica and proxies the
-//! answer back, streaming.
-//!
-//! Built so far: the prefix index the policies consult. The pingora service, replica registry,
-//! health checks and KV-event subscribers arrive in the next slices of the gateway issue.
+//! The OpenAI-compatible front door, on pingora: reads the whole body, renders and tokenises
+//! the prompt with the protocol crate, hashes its blocks, asks a routing policy (fed by the
+//! prefix index and the replicas' load) for a replica and proxies the answer back, streaming.
 #![forbid(unsafe_code)]
 
+pub mod body;
+pub mod metrics;
 pub mod prefix_index;
+pub mod proxy;
+pub mod registry;
+pub mod router;
+pub mod server;
+
+pub use server::{build_gateway, GatewayServer};

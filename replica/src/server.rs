@@ -146,16 +146,21 @@ async fn handle(
     Ok(resp)
 }
 
-/// Accepts connections until `shutdown` resolves.
+/// Accepts connections until `shutdown` resolves, then closes every open connection (in-flight
+/// requests end as if the process had died, which is what callers of a shutdown expect).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let (closing_tx, closing) = tokio::sync::watch::channel(false);
     loop {
         let (stream, _) = tokio::select! {
-            _ = &mut shutdown => return,
+            _ = &mut shutdown => {
+                let _ = closing_tx.send(true);
+                return;
+            }
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
@@ -166,13 +171,18 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
+        let mut closing = closing.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| handle(state.clone(), req));
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await
-            {
-                tracing::debug!(error = %e, "connection ended with an error");
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                r = conn => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                }
+                _ = closing.changed() => {}
             }
         });
     }

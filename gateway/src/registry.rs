@@ -1,0 +1,326 @@
+//! The replica fleet as the gateway knows it: for each configured `host:port`, its resolved
+//! address (re-resolved on every health check, so DNS names follow their records), health
+//! (ejected after consecutive failures, readmitted after consecutive passes), load (polled from
+//! `/get_load`, plus the gateway's own in-flight count) and its KV event subscription, which
+//! keeps the prefix index exact while it is live. Policies see a [`ReplicaSet`] snapshot built
+//! from these atomics per request.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use config::GatewayConfig;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use parking_lot::RwLock;
+use policies::{LoadSignal, ReplicaSet, ReplicaView};
+use protocol::kv_events::FrameDecoder;
+
+use crate::prefix_index::PrefixIndex;
+
+pub type HttpClient = Client<HttpConnector, http_body_util::Full<Bytes>>;
+
+/// Builds the client used for replicas: pooled keep-alive, connect timeout, no Nagle.
+pub fn http_client(connect_timeout: Duration) -> HttpClient {
+    let mut conn = HttpConnector::new();
+    conn.set_connect_timeout(Some(connect_timeout));
+    conn.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(conn)
+}
+
+pub struct ReplicaHandle {
+    pub slot: usize,
+    pub name: String,
+    addr: RwLock<Option<SocketAddr>>,
+    healthy: AtomicBool,
+    fails: AtomicU32,
+    oks: AtomicU32,
+    pub in_flight: AtomicU32,
+    waiting: AtomicU32,
+    running: AtomicU32,
+    kv_usage_bits: AtomicU64,
+    events_live: AtomicBool,
+}
+
+impl ReplicaHandle {
+    fn new(slot: usize, name: String) -> Self {
+        ReplicaHandle {
+            slot,
+            name,
+            addr: RwLock::new(None),
+            healthy: AtomicBool::new(false),
+            fails: AtomicU32::new(0),
+            oks: AtomicU32::new(0),
+            in_flight: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            running: AtomicU32::new(0),
+            kv_usage_bits: AtomicU64::new(0f64.to_bits()),
+            events_live: AtomicBool::new(false),
+        }
+    }
+
+    pub fn addr(&self) -> Option<SocketAddr> {
+        *self.addr.read()
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Whether the KV event stream is connected (index exact for this replica).
+    pub fn events_live(&self) -> bool {
+        self.events_live.load(Ordering::Relaxed)
+    }
+
+    pub fn load(&self) -> LoadSignal {
+        LoadSignal {
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// Counts a request in flight at a replica for as long as it lives.
+pub struct InFlight(Arc<ReplicaHandle>);
+
+impl InFlight {
+    pub fn new(r: Arc<ReplicaHandle>) -> Self {
+        r.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(r)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+pub struct Registry {
+    pub replicas: Vec<Arc<ReplicaHandle>>,
+    pub index: Arc<PrefixIndex>,
+    cfg: GatewayConfig,
+    client: HttpClient,
+    epoch: Instant,
+}
+
+impl Registry {
+    pub fn new(cfg: &GatewayConfig, index: Arc<PrefixIndex>, client: HttpClient) -> Self {
+        Registry {
+            replicas: cfg
+                .replicas
+                .iter()
+                .enumerate()
+                .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone())))
+                .collect(),
+            index,
+            cfg: cfg.clone(),
+            client,
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Seconds since start: the prefix index's clock.
+    pub fn now_s(&self) -> u32 {
+        self.epoch.elapsed().as_secs() as u32
+    }
+
+    pub fn snapshot(&self) -> ReplicaSet {
+        ReplicaSet {
+            replicas: self
+                .replicas
+                .iter()
+                .map(|r| ReplicaView {
+                    name: r.name.clone(),
+                    healthy: r.is_healthy(),
+                    load: r.load(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Per replica: how long approximate index records are trusted.
+    pub fn index_ttls(&self) -> Vec<u32> {
+        self.replicas
+            .iter()
+            .map(|r| {
+                if r.events_live() {
+                    self.cfg.index.speculative_ttl_s
+                } else {
+                    self.cfg.index.approx_ttl_s
+                }
+            })
+            .collect()
+    }
+
+    pub fn healthy_count(&self) -> usize {
+        self.replicas.iter().filter(|r| r.is_healthy()).count()
+    }
+
+    /// A failed connect counts like a failed health check.
+    pub fn report_failure(&self, slot: usize) {
+        self.record_check(&self.replicas[slot], false);
+    }
+
+    fn record_check(&self, r: &ReplicaHandle, ok: bool) {
+        let h = &self.cfg.health;
+        if ok {
+            r.fails.store(0, Ordering::Relaxed);
+            let oks = r.oks.fetch_add(1, Ordering::Relaxed) + 1;
+            // The first pass admits a replica that was never seen; a previously ejected one
+            // needs `successes_to_readmit` in a row.
+            let never_seen = oks == 1 && r.fails.load(Ordering::Relaxed) == 0;
+            if !r.is_healthy() && (oks >= h.successes_to_readmit || never_seen) {
+                r.healthy.store(true, Ordering::Relaxed);
+                tracing::info!(replica = %r.name, "replica admitted");
+            }
+        } else {
+            r.oks.store(0, Ordering::Relaxed);
+            let fails = r.fails.fetch_add(1, Ordering::Relaxed) + 1;
+            if r.is_healthy() && fails >= h.failures_to_eject {
+                r.healthy.store(false, Ordering::Relaxed);
+                self.index.remove_replica(r.slot);
+                tracing::warn!(replica = %r.name, fails, "replica ejected");
+            }
+        }
+    }
+
+    async fn resolve(&self, r: &ReplicaHandle) -> Option<SocketAddr> {
+        let found = tokio::net::lookup_host(r.name.as_str()).await.ok()?.next();
+        if let Some(a) = found {
+            *r.addr.write() = Some(a);
+        }
+        found.or_else(|| r.addr())
+    }
+
+    async fn get(&self, addr: SocketAddr, path: &str, timeout: Duration) -> Option<Bytes> {
+        let req = http::Request::get(format!("http://{addr}{path}"))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .ok()?;
+        let fut = async {
+            let resp = self.client.request(req).await.ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            resp.into_body().collect().await.ok().map(|c| c.to_bytes())
+        };
+        tokio::time::timeout(timeout, fut).await.ok().flatten()
+    }
+
+    /// Runs one health check of `r` now.
+    pub async fn check(&self, r: &ReplicaHandle) {
+        let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
+        let ok = match self.resolve(r).await {
+            Some(addr) => self.get(addr, "/health", timeout).await.is_some(),
+            None => false,
+        };
+        self.record_check(r, ok);
+    }
+
+    async fn poll_load(&self, r: &ReplicaHandle) {
+        let Some(addr) = r.addr() else { return };
+        let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
+        let Some(body) = self.get(addr, "/get_load", timeout).await else {
+            return;
+        };
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
+            return;
+        };
+        let first = v.get(0).unwrap_or(&v);
+        let field = |k: &str| first.get(k).and_then(|x| x.as_u64()).unwrap_or(0) as u32;
+        let waiting = field("num_waiting_reqs");
+        let total = field("num_reqs");
+        r.waiting.store(waiting, Ordering::Relaxed);
+        r.running
+            .store(total.saturating_sub(waiting), Ordering::Relaxed);
+        let kv = first
+            .get("kv_cache_usage")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(0.0);
+        r.kv_usage_bits.store(kv.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Follows `r`'s KV event stream until it ends or shows a gap; the index holds exactly what
+    /// the replica reported while this runs.
+    async fn follow_events(&self, r: &ReplicaHandle) -> Result<(), String> {
+        let addr = r.addr().ok_or("no address yet")?;
+        let req = http::Request::get(format!("http://{addr}/kv_events"))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("status {}", resp.status()));
+        }
+        let mut body = resp.into_body();
+        let mut dec = FrameDecoder::new();
+        let mut expected: Option<u64> = None;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| e.to_string())?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            for (seq, batch) in dec.feed(data).map_err(|e| e.to_string())? {
+                if let Some(want) = expected {
+                    if seq != want {
+                        return Err(format!("sequence gap: expected {want}, got {seq}"));
+                    }
+                }
+                expected = Some(seq + 1);
+                for ev in &batch.events {
+                    self.index.apply(r.slot, ev);
+                }
+                r.events_live.store(true, Ordering::Relaxed);
+            }
+        }
+        Err("stream ended".into())
+    }
+
+    /// Starts health checks, load polling and (when enabled) KV event subscriptions.
+    pub fn spawn_background(self: &Arc<Self>) {
+        for r in &self.replicas {
+            let me = self.clone();
+            let rep = r.clone();
+            tokio::spawn(async move {
+                let mut tick =
+                    tokio::time::interval(Duration::from_millis(me.cfg.health.interval_ms));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    me.check(&rep).await;
+                }
+            });
+            let me = self.clone();
+            let rep = r.clone();
+            tokio::spawn(async move {
+                let mut tick =
+                    tokio::time::interval(Duration::from_millis(me.cfg.upstream.load_poll_ms));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    me.poll_load(&rep).await;
+                }
+            });
+            if self.cfg.index.kv_events {
+                let me = self.clone();
+                let rep = r.clone();
+                tokio::spawn(async move {
+                    loop {
+                        let outcome = me.follow_events(&rep).await;
+                        if rep.events_live.swap(false, Ordering::Relaxed) {
+                            tracing::info!(replica = %rep.name, reason = ?outcome, "KV event stream lost; resyncing");
+                        }
+                        me.index.clear_exact(rep.slot);
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! Assembling and running the gateway: tokenizer, prefix index, registry (with its background
+//! health, load and KV-event tasks), policy, the pingora proxy app on the public listener, and a
+//! small hyper admin server (`/metrics`, `/admin/route/explain`, `/admin/replicas`) on its own
+//! listener. Listeners are bound by the caller, so tests can use port 0.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use config::GatewayConfig;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use pingora::apps::ServerApp;
+use pingora::server::configuration::ServerConf;
+use protocol::tokenizer::TextTokenizer;
+use protocol::ApiError;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::metrics::GatewayMetrics;
+use crate::prefix_index::PrefixIndex;
+use crate::proxy::{GatewayProxy, GatewayState};
+use crate::registry::{http_client, Registry};
+use crate::router::{Endpoint, Router};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("cannot load the tokenizer from {0}: {1}")]
+    Tokenizer(String, String),
+    #[error("no tokenizer folder configured or found (model.tokenizer_dir)")]
+    NoTokenizer,
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+pub struct GatewayServer {
+    listener: TcpListener,
+    admin: TcpListener,
+    state: Arc<GatewayState>,
+}
+
+pub async fn build_gateway(
+    cfg: GatewayConfig,
+    listener: TcpListener,
+    admin: TcpListener,
+) -> Result<GatewayServer, GatewayError> {
+    let dir = match &cfg.model.tokenizer_dir {
+        Some(d) => Path::new(d).to_path_buf(),
+        None => protocol::tokenizer::default_tokenizer_dir().ok_or(GatewayError::NoTokenizer)?,
+    };
+    let shown = dir.display().to_string();
+    let tokenizer = tokio::task::spawn_blocking(move || TextTokenizer::from_dir(&dir))
+        .await
+        .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?
+        .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?;
+    let client = http_client(Duration::from_millis(cfg.upstream.connect_timeout_ms));
+    let index = Arc::new(PrefixIndex::new(cfg.index.approx_capacity_blocks));
+    let registry = Arc::new(Registry::new(&cfg, index.clone(), client.clone()));
+    let metrics = Arc::new(GatewayMetrics::new(&cfg.replicas));
+    // First health check before accepting traffic, so a ready gateway knows its fleet.
+    futures::future::join_all(registry.replicas.iter().map(|r| registry.check(r))).await;
+    registry.spawn_background();
+    let policy = policies::build(&cfg.policy);
+    let router = Router::new(
+        Arc::new(tokenizer),
+        cfg.model.name.clone(),
+        cfg.model.block_size,
+        policy,
+        registry.clone(),
+        metrics.clone(),
+    );
+    let state = Arc::new(GatewayState {
+        router,
+        client,
+        max_body_bytes: cfg.upstream.max_body_bytes,
+        retries: cfg.upstream.retries,
+        retry_backoff: Duration::from_millis(cfg.upstream.retry_backoff_ms),
+        first_byte_timeout: Duration::from_secs(cfg.upstream.first_byte_timeout_s),
+        session_header: cfg.session_header.to_ascii_lowercase(),
+    });
+    // Gauges that are cheaper to sample than to maintain.
+    let weak = Arc::downgrade(&state);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let Some(s) = weak.upgrade() else { return };
+            let m = &s.router.metrics;
+            let reg = &s.router.registry;
+            m.index_blocks.set(reg.index.len() as f64);
+            m.index_bytes.set(reg.index.size_bytes() as f64);
+            for (r, rm) in reg.replicas.iter().zip(&m.replicas) {
+                rm.healthy.set(if r.is_healthy() { 1.0 } else { 0.0 });
+                rm.in_flight.set(f64::from(r.load().in_flight));
+            }
+            reg.index.expire(reg.now_s(), s_max_ttl(&cfg_ttls(&s)));
+            m.upkeep();
+        }
+    });
+    Ok(GatewayServer {
+        listener,
+        admin,
+        state,
+    })
+}
+
+fn cfg_ttls(s: &GatewayState) -> Vec<u32> {
+    s.router.registry.index_ttls()
+}
+
+fn s_max_ttl(ttls: &[u32]) -> u32 {
+    ttls.iter().copied().max().unwrap_or(0)
+}
+
+impl GatewayServer {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("bound listener")
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.local_addr().expect("bound listener")
+    }
+
+    pub fn state(&self) -> Arc<GatewayState> {
+        self.state.clone()
+    }
+
+    /// Serves both listeners until `shutdown` resolves.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+        let (tx, rx) = watch::channel(false);
+        let conf = Arc::new(ServerConf::default());
+        let app = Arc::new(pingora::proxy::http_proxy(
+            &conf,
+            GatewayProxy {
+                state: self.state.clone(),
+            },
+        ));
+        let admin_state = self.state.clone();
+        let admin = self.admin;
+        let admin_task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = admin.accept().await else {
+                    continue;
+                };
+                let st = admin_state.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| admin_handle(st.clone(), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        let listener = self.listener;
+        tokio::pin!(shutdown);
+        loop {
+            let (tcp, _) = tokio::select! {
+                _ = &mut shutdown => break,
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
+                    }
+                },
+            };
+            let _ = tcp.set_nodelay(true);
+            let app = app.clone();
+            let rx = rx.clone();
+            tokio::spawn(async move {
+                let l4: pingora::protocols::l4::stream::Stream = tcp.into();
+                let mut stream: pingora::protocols::Stream = Box::new(l4);
+                // A kept-alive connection comes back for its next request.
+                while let Some(next) = app.process_new(stream, &rx).await {
+                    stream = next;
+                }
+            });
+        }
+        let _ = tx.send(true);
+        admin_task.abort();
+    }
+}
+
+fn json(status: u16, body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("static parts")
+}
+
+async fn admin_handle(
+    state: Arc<GatewayState>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let resp = match (method.as_str(), path.as_str()) {
+        ("GET", "/metrics") => Response::builder()
+            .header("content-type", "text/plain; version=0.0.4")
+            .body(Full::new(Bytes::from(state.router.metrics.render())))
+            .expect("static parts"),
+        ("GET", "/admin/replicas") => {
+            let reg = &state.router.registry;
+            let v: Vec<serde_json::Value> = reg
+                .replicas
+                .iter()
+                .map(|r| {
+                    let l = r.load();
+                    serde_json::json!({
+                        "name": r.name,
+                        "address": r.addr().map(|a| a.to_string()),
+                        "healthy": r.is_healthy(),
+                        "kv_events": r.events_live(),
+                        "in_flight": l.in_flight,
+                        "waiting": l.waiting,
+                        "running": l.running,
+                        "kv_usage": l.kv_usage,
+                    })
+                })
+                .collect();
+            json(200, serde_json::Value::Array(v).to_string())
+        }
+        ("POST", "/admin/route/explain") => {
+            let session = req
+                .headers()
+                .get(state.session_header.as_str())
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let limit = state.max_body_bytes;
+            match Limited::new(req.into_body(), limit).collect().await {
+                Err(_) => {
+                    let e = ApiError::payload_too_large(limit);
+                    json(e.status, e.to_json())
+                }
+                Ok(c) => {
+                    let body = c.to_bytes();
+                    let endpoint = match serde_json::from_slice::<serde_json::Value>(&body) {
+                        Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
+                        _ => Endpoint::Completions,
+                    };
+                    match state.prepare(endpoint, body, session).await {
+                        Ok(p) => json(200, state.router.explain(&p).to_string()),
+                        Err(e) => json(e.status, e.to_json()),
+                    }
+                }
+            }
+        }
+        (_, p) => {
+            let e = ApiError::not_found_path(p);
+            json(e.status, e.to_json())
+        }
+    };
+    Ok(resp)
+}
