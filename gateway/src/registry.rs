@@ -45,6 +45,11 @@ pub struct ReplicaHandle {
     running: AtomicU32,
     kv_usage_bits: AtomicU64,
     events_live: AtomicBool,
+    /// Requests this gateway saw finish at the replica, and how many had finished when the
+    /// last load report was requested: a report taken before one of our requests finished
+    /// still counts it, so it is ignored until the next poll.
+    finished: AtomicU64,
+    finished_at_poll: AtomicU64,
 }
 
 impl ReplicaHandle {
@@ -61,6 +66,8 @@ impl ReplicaHandle {
             running: AtomicU32::new(0),
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
             events_live: AtomicBool::new(false),
+            finished: AtomicU64::new(0),
+            finished_at_poll: AtomicU64::new(0),
         }
     }
 
@@ -78,10 +85,13 @@ impl ReplicaHandle {
     }
 
     pub fn load(&self) -> LoadSignal {
+        let stale =
+            self.finished.load(Ordering::Relaxed) != self.finished_at_poll.load(Ordering::Relaxed);
+        let reported = |a: &AtomicU32| if stale { 0 } else { a.load(Ordering::Relaxed) };
         LoadSignal {
             in_flight: self.in_flight.load(Ordering::Relaxed),
-            waiting: self.waiting.load(Ordering::Relaxed),
-            running: self.running.load(Ordering::Relaxed),
+            waiting: reported(&self.waiting),
+            running: reported(&self.running),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
         }
     }
@@ -100,6 +110,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.finished.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -227,6 +238,7 @@ impl Registry {
     async fn poll_load(&self, r: &ReplicaHandle) {
         let Some(addr) = r.addr() else { return };
         let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
+        let finished_before = r.finished.load(Ordering::Relaxed);
         let Some(body) = self.get(addr, "/get_load", timeout).await else {
             return;
         };
@@ -245,6 +257,7 @@ impl Registry {
             .and_then(|x| x.as_f64())
             .unwrap_or(0.0);
         r.kv_usage_bits.store(kv.to_bits(), Ordering::Relaxed);
+        r.finished_at_poll.store(finished_before, Ordering::Relaxed);
     }
 
     /// Follows `r`'s KV event stream until it ends or shows a gap; the index holds exactly what

@@ -23,6 +23,7 @@ pub fn tokenizer_dir() -> PathBuf {
 pub struct Replica {
     pub base: String,
     pub client: reqwest::Client,
+    kill: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// Starts a replica with the default config adjusted by `adjust`.
@@ -33,7 +34,10 @@ pub async fn start_replica(adjust: impl FnOnce(&mut ReplicaConfig)) -> Replica {
     adjust(&mut cfg);
     let server = replica::build_server(cfg, listener).await.unwrap();
     let base = format!("http://{}", server.local_addr());
-    tokio::spawn(server.run(std::future::pending()));
+    let (kill, killed) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(server.run(async {
+        let _ = killed.await;
+    }));
     let client = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -45,10 +49,27 @@ pub async fn start_replica(adjust: impl FnOnce(&mut ReplicaConfig)) -> Replica {
         assert!(Instant::now() < deadline, "replica never became ready");
         tokio::task::yield_now().await;
     }
-    Replica { base, client }
+    Replica {
+        base,
+        client,
+        kill: Some(kill),
+    }
 }
 
 impl Replica {
+    /// `host:port`, as a gateway config lists it.
+    pub fn host_port(&self) -> String {
+        self.base.trim_start_matches("http://").to_string()
+    }
+
+    /// Stops the replica as if its process died: the listener closes and so does every open
+    /// connection.
+    pub fn kill(&mut self) {
+        if let Some(k) = self.kill.take() {
+            let _ = k.send(());
+        }
+    }
+
     pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
         self.client
             .post(format!("{}{path}", self.base))
@@ -108,5 +129,86 @@ impl Replica {
 
     pub async fn metric(&self, name: &str) -> f64 {
         self.metric_with(name, "").await
+    }
+}
+
+pub struct Gateway {
+    pub base: String,
+    pub admin: String,
+    pub client: reqwest::Client,
+}
+
+/// Starts a gateway in front of `replicas` (health checks every 100 ms, load polled every
+/// 50 ms) adjusted by `adjust`, and waits until it reports a healthy replica.
+pub async fn start_gateway(
+    replicas: &[&Replica],
+    adjust: impl FnOnce(&mut config::GatewayConfig),
+) -> Gateway {
+    let mut cfg =
+        config::GatewayConfig::with_replicas(replicas.iter().map(|r| r.host_port()).collect());
+    cfg.model.tokenizer_dir = Some(tokenizer_dir().display().to_string());
+    cfg.health.interval_ms = 100;
+    cfg.upstream.load_poll_ms = 50;
+    adjust(&mut cfg);
+    cfg.validate().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = gateway::build_gateway(cfg, listener, admin).await.unwrap();
+    let base = format!("http://{}", server.local_addr());
+    let admin = format!("http://{}", server.admin_addr());
+    tokio::spawn(server.run(std::future::pending()));
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = client.get(format!("{base}/health")).send().await {
+            if r.status().is_success() {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "gateway never became ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Gateway {
+        base,
+        admin,
+        client,
+    }
+}
+
+impl Gateway {
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn admin_json(&self, path: &str) -> serde_json::Value {
+        self.client
+            .get(format!("{}{path}", self.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .client
+            .get(format!("{}/metrics", self.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
     }
 }

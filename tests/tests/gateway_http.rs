@@ -1,0 +1,310 @@
+//! The gateway in front of real replicas, all on 127.0.0.1:0.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::{start_gateway, start_replica};
+use futures::StreamExt;
+use protocol::sse::{SseDecoder, SseEvent};
+use serde_json::{json, Value};
+
+fn system_prompt(topic: &str) -> String {
+    format!(
+        "You are the {topic} assistant. Answer in two sentences, cite the {topic} handbook by \
+         section, never guess figures, and hand over to a human when the customer asks for one. \
+         The handbook covers onboarding, billing, outages, data retention and {topic} specifics."
+    )
+}
+
+fn chat(system: &str, user: &str) -> Value {
+    json!({
+        "model": "Qwen3-8B",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 4,
+        "ignore_eos": true,
+    })
+}
+
+fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefixes_stick_and_distinct_prefixes_spread() {
+    let reps = [
+        start_replica(|c| c.replica_id = "r0".into()).await,
+        start_replica(|c| c.replica_id = "r1".into()).await,
+        start_replica(|c| c.replica_id = "r2".into()).await,
+        start_replica(|c| c.replica_id = "r3".into()).await,
+    ];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let sys = system_prompt("billing");
+    let mut homes = HashSet::new();
+    for i in 0..6 {
+        let r = gw
+            .post("/v1/chat/completions", chat(&sys, &format!("question {i}")))
+            .await;
+        assert_eq!(r.status(), 200);
+        homes.insert(header(&r, "x-kvgate-replica"));
+        if i > 0 {
+            assert_eq!(header(&r, "x-kvgate-route-reason"), "prefix_match");
+        }
+    }
+    assert_eq!(homes.len(), 1, "one system prompt, one replica: {homes:?}");
+    let mut spread = HashSet::new();
+    for topic in [
+        "travel",
+        "legal",
+        "hardware",
+        "gardening",
+        "payroll",
+        "shipping",
+        "security",
+        "music",
+    ] {
+        let r = gw
+            .post("/v1/chat/completions", chat(&system_prompt(topic), "hi"))
+            .await;
+        assert_eq!(r.status(), 200);
+        spread.insert(header(&r, "x-kvgate-replica"));
+    }
+    assert!(spread.len() >= 3, "distinct prefixes spread: {spread:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_blocks_equal_the_replicas_cached_tokens() {
+    let reps = [start_replica(|_| {}).await, start_replica(|_| {}).await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let sys = system_prompt("parity");
+    let long_prefix = "The quick brown fox jumps over the lazy dog. ".repeat(30);
+    let requests = [
+        ("/v1/chat/completions", chat(&sys, "first")),
+        (
+            "/v1/chat/completions",
+            chat(&sys, "second, a different question"),
+        ),
+        ("/v1/chat/completions", chat(&sys, "first")),
+        (
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": format!("{long_prefix} one"), "max_tokens": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": format!("{long_prefix} two"), "max_tokens": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": format!("{long_prefix} two"), "max_tokens": 2, "cache_salt": "tenant-b"}),
+        ),
+    ];
+    let mut hits = 0;
+    for (path, body) in requests {
+        let r = gw.post(path, body.clone()).await;
+        assert_eq!(r.status(), 200);
+        let predicted: usize = header(&r, "x-kvgate-matched-blocks").parse().unwrap();
+        let v: Value = r.json().await.unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap() as usize;
+        assert_eq!(predicted * 16, cached, "{path} {body}");
+        hits += usize::from(cached > 0);
+    }
+    assert!(hits >= 3, "the shared prefixes did hit");
+    assert!(gw.metric("kvgate_gateway_predicted_hit_tokens_total").await > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_is_retried_around_then_ejected() {
+    let mut reps = [
+        start_replica(|c| c.replica_id = "a".into()).await,
+        start_replica(|c| c.replica_id = "b".into()).await,
+        start_replica(|c| c.replica_id = "c".into()).await,
+    ];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |c| {
+        c.policy = config::PolicyConfig::RoundRobin;
+        // Only failed connects eject in this test, so the retry path is exercised for sure.
+        c.health.interval_ms = 600_000;
+    })
+    .await;
+    for _ in 0..3 {
+        assert_eq!(
+            gw.post(
+                "/v1/completions",
+                json!({"model": "Qwen3-8B", "prompt": "warm", "max_tokens": 2})
+            )
+            .await
+            .status(),
+            200
+        );
+    }
+    reps[2].kill();
+    let mut served_by = HashSet::new();
+    for i in 0..9 {
+        let r = gw
+            .post(
+                "/v1/completions",
+                json!({"model": "Qwen3-8B", "prompt": format!("after {i}"), "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(
+            r.status(),
+            200,
+            "request {i} succeeds despite the dead replica"
+        );
+        served_by.insert(header(&r, "x-kvgate-replica"));
+    }
+    assert!(!served_by.contains("c"));
+    assert!(gw.metric("kvgate_gateway_retries_total").await >= 1.0);
+    let replicas = gw.admin_json("/admin/replicas").await;
+    let dead = replicas
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == reps[2].host_port())
+        .unwrap();
+    assert_eq!(dead["healthy"], false, "{replicas}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_shaped_4xx() {
+    let reps = [start_replica(|_| {}).await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |c| {
+        c.upstream.max_body_bytes = 4096
+    })
+    .await;
+    let raw = gw
+        .client
+        .post(format!("{}/v1/chat/completions", gw.base))
+        .body("{oops")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status(), 400);
+    let cases = [
+        (
+            json!({"messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "missing_model",
+        ),
+        (
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "model_not_found",
+        ),
+        (
+            json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "x".repeat(5000)}]}),
+            413,
+            "payload_too_large",
+        ),
+    ];
+    for (body, status, code) in cases {
+        let r = gw.post("/v1/chat/completions", body).await;
+        assert_eq!(r.status(), status);
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["code"], code);
+        assert!(e["error"]["message"].is_string());
+    }
+    let r = gw
+        .client
+        .get(format!("{}/v2/whatever", gw.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_mib_prompt_is_routed_and_answered() {
+    // Room for ~250k prompt tokens, and no modelled wait for their prefill.
+    let reps = [start_replica(|c| {
+        c.max_model_len = Some(400_000);
+        c.time_scale = 0.0;
+    })
+    .await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(1 << 20 >> 5);
+    let prompt = &prompt[..1 << 20];
+    assert_eq!(prompt.len(), 1 << 20);
+    let r = gw
+        .client
+        .post(format!("{}/v1/completions", gw.base))
+        .json(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 2}))
+        .timeout(Duration::from_secs(300))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let n = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(n > 200_000, "the whole body arrived: {n} tokens");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_passes_through_event_by_event() {
+    let reps = [start_replica(|_| {}).await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "stream please"}],
+                   "max_tokens": 60, "ignore_eos": true, "stream": true}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "content-type"), "text/event-stream");
+    let mut body = r.bytes_stream();
+    let mut dec = SseDecoder::new();
+    let mut events = Vec::new();
+    let mut seen_mid_stream = false;
+    let started = Instant::now();
+    while let Some(chunk) = body.next().await {
+        events.extend(dec.feed(&chunk.unwrap()));
+        if !seen_mid_stream
+            && events
+                .iter()
+                .filter(|e| matches!(e, SseEvent::Data(_)))
+                .count()
+                >= 3
+        {
+            // Tokens reached the client while the replica is still generating.
+            assert_eq!(reps[0].load().await["num_running_reqs"], 1);
+            seen_mid_stream = true;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60));
+    }
+    assert!(seen_mid_stream);
+    assert_eq!(events.last(), Some(&SseEvent::Done));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_shows_tokens_blocks_scores_and_decision() {
+    let reps = [start_replica(|_| {}).await, start_replica(|_| {}).await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let body = chat(&system_prompt("explain"), "why?");
+    assert_eq!(
+        gw.post("/v1/chat/completions", body.clone()).await.status(),
+        200
+    );
+    let r = gw
+        .client
+        .post(format!("{}/admin/route/explain", gw.admin))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["policy"], "prefix_aware");
+    assert!(v["prompt_tokens"].as_u64().unwrap() > 40);
+    assert!(v["blocks_hashed"].as_u64().unwrap() >= 3);
+    assert_eq!(v["replicas"].as_array().unwrap().len(), 2);
+    assert_eq!(v["decision"]["reason"], "prefix_match");
+    assert!(v["decision"]["matched_blocks"].as_u64().unwrap() >= 3);
+}
