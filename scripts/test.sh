@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The project's one test command: fetches the default model files (checksummed, idempotent),
-# runs every test in the workspace and closes with one summary line over all test binaries.
+# makes sure the openai Python SDK is there for the end-to-end SDK test, builds the binary the
+# process-level tests start, runs every test in the workspace and closes with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/fetch-models.sh
+if ! python3 -c 'import openai' 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check openai
+fi
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-cargo test --workspace --locked 2>&1 | tee "$log"
+{ cargo build --workspace --locked && cargo test --workspace --locked; } 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
