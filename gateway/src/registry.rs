@@ -175,6 +175,11 @@ impl Registry {
         self.replicas.iter().filter(|r| r.is_healthy()).count()
     }
 
+    /// Admits or ejects a replica by hand (operator override; benchmarks without a network).
+    pub fn set_healthy(&self, slot: usize, healthy: bool) {
+        self.replicas[slot].healthy.store(healthy, Ordering::Relaxed);
+    }
+
     /// A failed connect counts like a failed health check.
     pub fn report_failure(&self, slot: usize) {
         self.record_check(&self.replicas[slot], false);

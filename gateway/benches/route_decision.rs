@@ -1,0 +1,86 @@
+//! The gateway's routing decision for a 32k-token multi-turn chat: parse the body, render the
+//! chat template, tokenise, hash ~2,000 blocks, match them in the prefix index and score 8
+//! replicas. Cold: an empty segment cache (every message tokenised). Warm: the conversation was
+//! seen before (every message segment cached), as when a client resends its history each turn.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use config::GatewayConfig;
+use criterion::{criterion_group, criterion_main, Criterion};
+use gateway::metrics::GatewayMetrics;
+use gateway::prefix_index::PrefixIndex;
+use gateway::registry::{http_client, Registry};
+use gateway::router::{Endpoint, Router};
+use protocol::tokenizer::{default_tokenizer_dir, TextTokenizer};
+
+const PARAGRAPH: &str = "Prefix caching keeps the attention keys and values of a shared prompt in \
+paged blocks, so a second request that starts the same way skips most of its prefill. A router \
+that knows which replica holds which prefix can send each conversation back to the cache that \
+already knows it, while a load guard keeps any one replica from becoming a hot spot. ";
+
+fn conversation(tok: &TextTokenizer) -> (Bytes, usize) {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are a careful assistant."})];
+    for turn in 0..40 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        messages.push(serde_json::json!({"role": role, "content": format!("Turn {turn}. {}", PARAGRAPH.repeat(12))}));
+    }
+    let body = serde_json::json!({"model": "Qwen3-8B", "messages": messages, "max_tokens": 16});
+    let msgs: Vec<protocol::openai::ChatMessage> = serde_json::from_value(body["messages"].clone()).unwrap();
+    let n = tok.encode_chat(&msgs, true, None, None).unwrap().len();
+    (Bytes::from(serde_json::to_vec(&body).unwrap()), n)
+}
+
+fn router(tok: Arc<TextTokenizer>) -> Router {
+    let names: Vec<String> = (0..8).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect();
+    let cfg = GatewayConfig::with_replicas(names.clone());
+    let index = Arc::new(PrefixIndex::new(100_000));
+    let registry = Arc::new(Registry::new(&cfg, index, http_client(Duration::from_millis(100))));
+    for i in 0..8 {
+        registry.set_healthy(i, true);
+    }
+    Router::new(
+        tok,
+        "Qwen3-8B".into(),
+        16,
+        policies::build(&cfg.policy),
+        registry,
+        Arc::new(GatewayMetrics::new(&names)),
+    )
+}
+
+fn bench(c: &mut Criterion) {
+    let dir = default_tokenizer_dir().expect("run scripts/fetch-models.sh");
+    let tok = Arc::new(TextTokenizer::from_dir(&dir).unwrap());
+    let (body, tokens) = conversation(&tok);
+    println!("conversation: {tokens} tokens, {} bytes of JSON", body.len());
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let _guard = rt.enter();
+    let mut g = c.benchmark_group("route_decision_32k_chat");
+    g.sample_size(20);
+    g.bench_function("cold_segment_cache", |b| {
+        b.iter_batched(
+            || router(tok.clone()),
+            |r| {
+                let p = r.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
+                r.decide(&p, &[]).unwrap()
+            },
+            criterion::BatchSize::PerIteration,
+        )
+    });
+    let warm = router(tok.clone());
+    let p = warm.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
+    let (d, _) = warm.decide(&p, &[]).unwrap();
+    warm.commit(&p, &d);
+    g.bench_function("warm_segment_cache", |b| {
+        b.iter(|| {
+            let p = warm.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
+            warm.decide(&p, &[]).unwrap()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
