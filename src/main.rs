@@ -93,7 +93,7 @@ struct ModelArgs {
 
 #[derive(Args)]
 struct ReplicaArgs {
-    /// Engine backend: sim (roofline-timed), cpu, cuda.
+    /// Engine backend: sim (the real scheduler, roofline-timed steps). cpu and cuda are not built yet.
     #[arg(long, default_value = "sim")]
     backend: String,
     #[command(flatten)]
@@ -120,11 +120,13 @@ struct ReplicaArgs {
     /// Token budget of one engine step (chunked prefill slices prompts to fit it).
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
+    /// Longest prompt + completion in tokens (default: the model's native context, capped by the KV cache).
     #[arg(long)]
     max_model_len: Option<usize>,
     /// Override the number of KV blocks computed from GPU memory.
     #[arg(long)]
     num_gpu_blocks: Option<usize>,
+    /// Turn prefix caching off (every prompt is prefilled in full).
     #[arg(long)]
     no_prefix_caching: bool,
     /// Multiply every modelled step time (sim only; 1.0 = real time).
@@ -373,6 +375,7 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match cli.command {

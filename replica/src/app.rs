@@ -188,6 +188,9 @@ pub async fn build_server(
         })?;
     let tokenizer = Arc::new(tokenizer);
 
+    if cfg.num_gpu_blocks == Some(0) {
+        return Err(BuildError::Invalid("--num-gpu-blocks must be at least 1".into()));
+    }
     let capacity_tokens = roofline.kv_capacity_tokens(cfg.gpu_memory_utilization) as usize;
     let num_blocks = cfg
         .num_gpu_blocks
@@ -198,10 +201,23 @@ pub async fn build_server(
             model.name, cfg.gpu, cfg.gpu_memory_utilization
         )));
     }
-    let max_model_len = cfg
-        .max_model_len
-        .unwrap_or(model.max_position_embeddings as usize)
-        .min(num_blocks * cfg.block_size);
+    let native = model.max_position_embeddings as usize;
+    let wanted = cfg.max_model_len.unwrap_or(native);
+    let max_model_len = wanted.min(num_blocks * cfg.block_size);
+    if max_model_len < wanted {
+        tracing::warn!(
+            wanted,
+            max_model_len,
+            "max model length clamped to the KV cache's capacity"
+        );
+    }
+    if max_model_len > native {
+        tracing::warn!(
+            max_model_len,
+            native,
+            "max model length exceeds the model's native context (max_position_embeddings)"
+        );
+    }
     let sched_cfg = SchedulerConfig {
         block_size: cfg.block_size,
         num_blocks,

@@ -116,6 +116,12 @@ impl CapacityNote {
             "  sequences that fit      {} at {} tokens each",
             self.sequences_that_fit, self.context
         );
+        if self.kv_capacity_tokens == 0 {
+            let _ = writeln!(
+                s,
+                "  DOES NOT FIT            the weights alone exceed the usable GPU memory; the table below is what the step would cost if it did"
+            );
+        }
         let _ = writeln!(
             s,
             "  memory knee             batch {:.0}: from here the cache read outweighs the weight read",

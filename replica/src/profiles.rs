@@ -199,6 +199,9 @@ impl ModelProfile {
         if path.exists() {
             return Self::from_hf_config(path);
         }
+        if spec.contains('/') || spec.ends_with(".json") {
+            return Err(ProfileError::Read(spec.to_string(), "no such file".into()));
+        }
         Err(ProfileError::UnknownModel(
             spec.to_string(),
             builtin_names().join(", "),
@@ -359,6 +362,9 @@ mod tests {
         std::fs::write(&path, r#"{"hidden_size":4096}"#).unwrap();
         let e = ModelProfile::resolve(path.to_str().unwrap()).unwrap_err();
         assert!(e.to_string().contains("num_attention_heads"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let e = ModelProfile::resolve(path.to_str().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("no such file"), "{e}");
     }
 
     #[test]

@@ -308,3 +308,27 @@ async fn explain_shows_tokens_blocks_scores_and_decision() {
     assert_eq!(v["decision"]["reason"], "prefix_match");
     assert!(v["decision"]["matched_blocks"].as_u64().unwrap() >= 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_cancels_the_upstream_request() {
+    let reps = [start_replica(|_| {}).await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let r = gw
+        .post(
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": "a long story", "max_tokens": 20000,
+                   "ignore_eos": true, "stream": true}),
+        )
+        .await;
+    let mut body = r.bytes_stream();
+    let mut dec = SseDecoder::new();
+    let mut n = 0;
+    while n < 3 {
+        n += dec.feed(&body.next().await.unwrap().unwrap()).len();
+    }
+    assert_eq!(reps[0].load().await["num_reqs"], 1);
+    drop(body);
+    reps[0]
+        .wait_load(|l| l["num_reqs"] == 0 && l["kv_cache_usage"].as_f64() == Some(0.0))
+        .await;
+}
