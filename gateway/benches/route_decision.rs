@@ -21,13 +21,15 @@ that knows which replica holds which prefix can send each conversation back to t
 already knows it, while a load guard keeps any one replica from becoming a hot spot. ";
 
 fn conversation(tok: &TextTokenizer) -> (Bytes, usize) {
-    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are a careful assistant."})];
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are a careful assistant."})];
     for turn in 0..40 {
         let role = if turn % 2 == 0 { "user" } else { "assistant" };
         messages.push(serde_json::json!({"role": role, "content": format!("Turn {turn}. {}", PARAGRAPH.repeat(12))}));
     }
     let body = serde_json::json!({"model": "Qwen3-8B", "messages": messages, "max_tokens": 16});
-    let msgs: Vec<protocol::openai::ChatMessage> = serde_json::from_value(body["messages"].clone()).unwrap();
+    let msgs: Vec<protocol::openai::ChatMessage> =
+        serde_json::from_value(body["messages"].clone()).unwrap();
     let n = tok.encode_chat(&msgs, true, None, None).unwrap().len();
     (Bytes::from(serde_json::to_vec(&body).unwrap()), n)
 }
@@ -36,7 +38,11 @@ fn router(tok: Arc<TextTokenizer>) -> Router {
     let names: Vec<String> = (0..8).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect();
     let cfg = GatewayConfig::with_replicas(names.clone());
     let index = Arc::new(PrefixIndex::new(100_000));
-    let registry = Arc::new(Registry::new(&cfg, index, http_client(Duration::from_millis(100))));
+    let registry = Arc::new(Registry::new(
+        &cfg,
+        index,
+        http_client(Duration::from_millis(100)),
+    ));
     for i in 0..8 {
         registry.set_healthy(i, true);
     }
@@ -54,8 +60,14 @@ fn bench(c: &mut Criterion) {
     let dir = default_tokenizer_dir().expect("run scripts/fetch-models.sh");
     let tok = Arc::new(TextTokenizer::from_dir(&dir).unwrap());
     let (body, tokens) = conversation(&tok);
-    println!("conversation: {tokens} tokens, {} bytes of JSON", body.len());
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    println!(
+        "conversation: {tokens} tokens, {} bytes of JSON",
+        body.len()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let _guard = rt.enter();
     let mut g = c.benchmark_group("route_decision_32k_chat");
     g.sample_size(20);
@@ -70,12 +82,16 @@ fn bench(c: &mut Criterion) {
         )
     });
     let warm = router(tok.clone());
-    let p = warm.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
+    let p = warm
+        .prepare(Endpoint::ChatCompletions, &body, None)
+        .unwrap();
     let (d, _) = warm.decide(&p, &[]).unwrap();
     warm.commit(&p, &d);
     g.bench_function("warm_segment_cache", |b| {
         b.iter(|| {
-            let p = warm.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
+            let p = warm
+                .prepare(Endpoint::ChatCompletions, &body, None)
+                .unwrap();
             warm.decide(&p, &[]).unwrap()
         })
     });

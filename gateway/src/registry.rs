@@ -177,7 +177,9 @@ impl Registry {
 
     /// Admits or ejects a replica by hand (operator override; benchmarks without a network).
     pub fn set_healthy(&self, slot: usize, healthy: bool) {
-        self.replicas[slot].healthy.store(healthy, Ordering::Relaxed);
+        self.replicas[slot]
+            .healthy
+            .store(healthy, Ordering::Relaxed);
     }
 
     /// A failed connect counts like a failed health check.

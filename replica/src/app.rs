@@ -189,7 +189,9 @@ pub async fn build_server(
     let tokenizer = Arc::new(tokenizer);
 
     if cfg.num_gpu_blocks == Some(0) {
-        return Err(BuildError::Invalid("--num-gpu-blocks must be at least 1".into()));
+        return Err(BuildError::Invalid(
+            "--num-gpu-blocks must be at least 1".into(),
+        ));
     }
     let capacity_tokens = roofline.kv_capacity_tokens(cfg.gpu_memory_utilization) as usize;
     let num_blocks = cfg
