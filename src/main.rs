@@ -266,7 +266,7 @@ async fn serve_gateway(
         "kvgate gateway at http://{addr} ({healthy} healthy replicas); metrics and admin at http://{admin_addr}"
     );
     println!();
-    println!("  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
+    println!("  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
     println!(
         "    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":32}}'"
     );

@@ -101,7 +101,7 @@ impl Default for IndexConfig {
 pub struct UpstreamConfig {
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_ms: u64,
-    /// Longest wait for the first byte of a replica's answer.
+    /// Longest wait for the first byte of a replica's answer, and between two of its chunks.
     #[serde(default = "default_first_byte_timeout")]
     pub first_byte_timeout_s: u64,
     /// Further replicas tried when a connect fails or a 5xx arrives before any byte was sent

@@ -266,7 +266,13 @@ impl GatewayState {
         }
         let m = &self.router.metrics;
         let mut last: Option<Instant> = None;
-        while let Some(frame) = body.frame().await {
+        loop {
+            // The same bound applies between chunks: a replica that stalls mid-answer is cut off.
+            let Ok(next) = tokio::time::timeout(self.first_byte_timeout, body.frame()).await else {
+                tracing::warn!(%replica, "replica stalled mid-answer; closing the response");
+                break;
+            };
+            let Some(frame) = next else { break };
             let Ok(frame) = frame else {
                 // The replica broke mid-answer: bytes already reached the client, so no retry.
                 break;

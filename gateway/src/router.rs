@@ -169,6 +169,15 @@ impl Router {
         p: &Prepared,
         exclude: &[usize],
     ) -> Result<(RouteDecision, Vec<usize>), ApiError> {
+        self.decide_with(p, exclude, false)
+    }
+
+    fn decide_with(
+        &self,
+        p: &Prepared,
+        exclude: &[usize],
+        dry_run: bool,
+    ) -> Result<(RouteDecision, Vec<usize>), ApiError> {
         let mut set = self.registry.snapshot();
         for &x in exclude {
             if let Some(r) = set.replicas.get_mut(x) {
@@ -182,6 +191,7 @@ impl Router {
             block_size: self.block_size,
             matched_blocks: &matched,
             session_id: p.session_id.as_deref(),
+            dry_run,
         };
         let d = self
             .policy
@@ -206,7 +216,7 @@ impl Router {
     /// `POST /admin/route/explain`: the decision and everything behind it, nothing sent.
     pub fn explain(&self, p: &Prepared) -> Value {
         let set = self.registry.snapshot();
-        let decision = self.decide(p, &[]);
+        let decision = self.decide_with(p, &[], true);
         let matched = self.matched(p);
         let replicas: Vec<Value> = set
             .replicas

@@ -36,7 +36,11 @@ impl RoutingPolicy for LeastLoad {
         if n == 0 {
             return Err(RouteError::NoHealthyReplica);
         }
-        let start = self.rotate.fetch_add(1, Ordering::Relaxed) % n;
+        let start = if req.dry_run {
+            self.rotate.load(Ordering::Relaxed)
+        } else {
+            self.rotate.fetch_add(1, Ordering::Relaxed)
+        } % n;
         let best = (0..n)
             .map(|k| (start + k) % n)
             .filter(|&i| set.replicas[i].healthy)

@@ -20,7 +20,11 @@ impl RoutingPolicy for RoundRobin {
         if healthy.is_empty() {
             return Err(RouteError::NoHealthyReplica);
         }
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let n = if req.dry_run {
+            self.next.load(Ordering::Relaxed)
+        } else {
+            self.next.fetch_add(1, Ordering::Relaxed)
+        };
         let r = healthy[n % healthy.len()];
         Ok(RouteDecision::new(r, DecisionReason::RoundRobin, req))
     }
@@ -39,6 +43,15 @@ mod tests {
             .map(|_| p.route(&request(&[], &[]), &set).unwrap().replica)
             .collect();
         assert_eq!(picks, vec![0, 2, 0, 2]);
+        let mut preview = request(&[], &[]);
+        preview.dry_run = true;
+        let a = p.route(&preview, &set).unwrap().replica;
+        assert_eq!(
+            p.route(&preview, &set).unwrap().replica,
+            a,
+            "a preview moves nothing"
+        );
+        assert_eq!(p.route(&request(&[], &[]), &set).unwrap().replica, a);
         set.replicas[0].healthy = false;
         set.replicas[2].healthy = false;
         assert_eq!(

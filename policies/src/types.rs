@@ -52,6 +52,8 @@ pub struct RouteRequest<'a> {
     /// believes are cached there, already capped to what the replica could reuse.
     pub matched_blocks: &'a [usize],
     pub session_id: Option<&'a str>,
+    /// A preview (`explain`): the policy must not advance any state of its own.
+    pub dry_run: bool,
 }
 
 impl RouteRequest<'_> {
@@ -213,5 +215,6 @@ pub(crate) fn request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteReque
         block_size: 16,
         matched_blocks: matched,
         session_id: None,
+        dry_run: false,
     }
 }

@@ -1,4 +1,4 @@
-//! Shared helpers: start a real replica on 127.0.0.1:0 and wait until it answers.
+//! Shared helpers: start a real replica or gateway on 127.0.0.1:0 and wait until it answers.
 
 #![allow(dead_code)]
 
@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use replica::ReplicaConfig;
+use serde_json::Value;
 use tokio::net::TcpListener;
 
 pub fn tokenizer_dir() -> PathBuf {
@@ -18,6 +19,36 @@ pub fn tokenizer_dir() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+async fn wait_ready(client: &reqwest::Client, base: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = client.get(format!("{base}/health")).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{what} never became ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn post_json(client: &reqwest::Client, url: String, body: Value) -> reqwest::Response {
+    client.post(url).json(&body).send().await.unwrap()
+}
+
+async fn get_json(client: &reqwest::Client, url: String) -> Value {
+    client.get(url).send().await.unwrap().json().await.unwrap()
+}
+
+/// Sum of the Prometheus samples of `name` at `url` whose labels contain `label`.
+async fn metric_sum(client: &reqwest::Client, url: String, name: &str, label: &str) -> f64 {
+    let text = client.get(url).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 pub struct Replica {
@@ -39,16 +70,7 @@ pub async fn start_replica(adjust: impl FnOnce(&mut ReplicaConfig)) -> Replica {
         let _ = killed.await;
     }));
     let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(r) = client.get(format!("{base}/health")).send().await {
-            if r.status().is_success() {
-                break;
-            }
-        }
-        assert!(Instant::now() < deadline, "replica never became ready");
-        tokio::task::yield_now().await;
-    }
+    wait_ready(&client, &base, "replica").await;
     Replica {
         base,
         client,
@@ -70,32 +92,20 @@ impl Replica {
         }
     }
 
-    pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
-        self.client
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
+    pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        post_json(&self.client, format!("{}{path}", self.base), body).await
     }
 
-    pub async fn get_json(&self, path: &str) -> serde_json::Value {
-        self.client
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+    pub async fn get_json(&self, path: &str) -> Value {
+        get_json(&self.client, format!("{}{path}", self.base)).await
     }
 
-    pub async fn load(&self) -> serde_json::Value {
+    pub async fn load(&self) -> Value {
         self.get_json("/get_load").await[0].clone()
     }
 
     /// Polls `/get_load` until `pred` holds or 20 s pass.
-    pub async fn wait_load(&self, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    pub async fn wait_load(&self, pred: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let l = self.load().await;
@@ -112,19 +122,7 @@ impl Replica {
 
     /// Sum of the samples of metric `name` whose labels contain `label` (e.g. `reason="abort"`).
     pub async fn metric_with(&self, name: &str, label: &str) -> f64 {
-        let text = self
-            .client
-            .get(format!("{}/metrics", self.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .filter(|l| l.starts_with(name) && l.contains(label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_sum(&self.client, format!("{}/metrics", self.base), name, label).await
     }
 
     pub async fn metric(&self, name: &str) -> f64 {
@@ -158,16 +156,7 @@ pub async fn start_gateway(
     let admin = format!("http://{}", server.admin_addr());
     tokio::spawn(server.run(std::future::pending()));
     let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(r) = client.get(format!("{base}/health")).send().await {
-            if r.status().is_success() {
-                break;
-            }
-        }
-        assert!(Instant::now() < deadline, "gateway never became ready");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_ready(&client, &base, "gateway").await;
     Gateway {
         base,
         admin,
@@ -176,39 +165,15 @@ pub async fn start_gateway(
 }
 
 impl Gateway {
-    pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
-        self.client
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
+    pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        post_json(&self.client, format!("{}{path}", self.base), body).await
     }
 
-    pub async fn admin_json(&self, path: &str) -> serde_json::Value {
-        self.client
-            .get(format!("{}{path}", self.admin))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+    pub async fn admin_json(&self, path: &str) -> Value {
+        get_json(&self.client, format!("{}{path}", self.admin)).await
     }
 
     pub async fn metric(&self, name: &str) -> f64 {
-        let text = self
-            .client
-            .get(format!("{}/metrics", self.admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_sum(&self.client, format!("{}/metrics", self.admin), name, "").await
     }
 }
