@@ -3,6 +3,7 @@
 //! prefix index and the replicas' load) for a replica and proxies the answer back, streaming.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod body;
 pub mod metrics;
 pub mod prefix_index;

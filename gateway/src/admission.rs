@@ -1,0 +1,497 @@
+//! Goodput-based admission: dispatch a request only while its latency promise can still be
+//! kept, queue it briefly otherwise, and shed it early (429 + Retry-After) rather than thrash.
+//!
+//! Per replica, a [`LatencyModel`] learns from what the gateway forwards: the prefill rate
+//! (uncached prompt tokens per second, from observed TTFTs and the work queued ahead) and the
+//! inter-token gap as a function of the running batch — the knee, learnt as an EWMA per batch
+//! bucket and interpolated between buckets. [`admissible`] asks: would this request's predicted
+//! TTFT (work ahead plus its own uncached tokens at the learnt rate) and the predicted gap with
+//! one more sequence both meet the route's SLO, and are the leading indicators (preemptions
+//! rising, KV usage above the high-water mark) quiet? A replica with no observations yet is
+//! admissible: the model has to learn from somewhere.
+//!
+//! [`AdmissionQueue`] holds waiting requests in (priority, deadline) order with a bound; a
+//! request whose TTFT deadline has passed, or that finds the queue full, is shed with a
+//! Retry-After estimated from the backlog. Time comes from a [`Clock`], so tests control it.
+//!
+//! This slice is the controller and its tests; wiring it into routes (the policy file's
+//! `[[routes]]`, hot reload and goodput accounting) is the rest of the admission issue.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+/// Time source: seconds since an arbitrary origin.
+pub trait Clock: Send + Sync {
+    fn now(&self) -> Duration;
+}
+
+pub struct SystemClock(Instant);
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        SystemClock(Instant::now())
+    }
+}
+
+impl Clock for SystemClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+/// A clock that moves only when told to.
+#[derive(Default)]
+pub struct ManualClock(Mutex<Duration>);
+
+impl ManualClock {
+    pub fn advance(&self, d: Duration) {
+        *self.0.lock() += d;
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Duration {
+        *self.0.lock()
+    }
+}
+
+/// A route's latency promise (p95 targets); `None` means no promise on that timer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slo {
+    pub ttft: Option<Duration>,
+    pub itl: Option<Duration>,
+}
+
+/// Exponentially weighted moving average; `None` until the first sample.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ewma(Option<f64>);
+
+impl Ewma {
+    const ALPHA: f64 = 0.2;
+
+    fn add(&mut self, x: f64) {
+        self.0 = Some(match self.0 {
+            None => x,
+            Some(v) => v + Self::ALPHA * (x - v),
+        });
+    }
+}
+
+/// Upper edges of the batch buckets the inter-token gap is learnt in.
+const BATCH_BUCKETS: [u32; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
+
+fn bucket(batch: u32) -> usize {
+    BATCH_BUCKETS
+        .iter()
+        .position(|&b| batch <= b)
+        .unwrap_or(BATCH_BUCKETS.len() - 1)
+}
+
+/// What the gateway has learnt about one replica's speed.
+#[derive(Debug, Clone, Default)]
+pub struct LatencyModel {
+    prefill_tokens_per_s: Ewma,
+    itl_by_batch: [Ewma; BATCH_BUCKETS.len()],
+}
+
+impl LatencyModel {
+    /// A request with `tokens` uncached prompt tokens, behind `ahead` tokens of queued prefill,
+    /// saw its first token after `ttft`.
+    pub fn observe_ttft(&mut self, ahead: u64, tokens: u64, ttft: Duration) {
+        let s = ttft.as_secs_f64();
+        if s > 0.0 && ahead + tokens > 0 {
+            self.prefill_tokens_per_s.add((ahead + tokens) as f64 / s);
+        }
+    }
+
+    /// An inter-token gap observed while the replica ran `batch` sequences.
+    pub fn observe_itl(&mut self, batch: u32, gap: Duration) {
+        self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
+    }
+
+    pub fn prefill_rate(&self) -> Option<f64> {
+        self.prefill_tokens_per_s.0
+    }
+
+    pub fn predict_ttft(&self, ahead: u64, tokens: u64) -> Option<Duration> {
+        let rate = self.prefill_tokens_per_s.0?;
+        Some(Duration::from_secs_f64((ahead + tokens) as f64 / rate))
+    }
+
+    /// The gap at `batch`: interpolated between the learnt buckets around it, extrapolated
+    /// along the last learnt slope beyond them.
+    pub fn predict_itl(&self, batch: u32) -> Option<Duration> {
+        let known: Vec<(f64, f64)> = BATCH_BUCKETS
+            .iter()
+            .zip(&self.itl_by_batch)
+            .filter_map(|(&b, e)| e.0.map(|v| (f64::from(b), v)))
+            .collect();
+        let x = f64::from(batch.max(1));
+        let y = match known.as_slice() {
+            [] => return None,
+            [(_, v)] => *v,
+            _ => {
+                let i = known
+                    .windows(2)
+                    .position(|w| x <= w[1].0)
+                    .unwrap_or(known.len() - 2);
+                let ((x0, y0), (x1, y1)) = (known[i], known[i + 1]);
+                let y = y0 + (y1 - y0) * (x - x0) / (x1 - x0);
+                if x < x0 {
+                    y0
+                } else {
+                    y.max(0.0)
+                }
+            }
+        };
+        Some(Duration::from_secs_f64(y))
+    }
+}
+
+/// A replica's state as admission sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReplicaPressure {
+    pub running: u32,
+    /// Uncached prompt tokens queued ahead of a new request.
+    pub queued_prefill_tokens: u64,
+    pub kv_usage: f64,
+    /// Preemptions rose since the last poll.
+    pub preempting: bool,
+}
+
+/// Why a request may not go to a replica now.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Hold {
+    Ttft { predicted: Duration },
+    Itl { predicted: Duration },
+    KvHighWater { usage: f64 },
+    Preempting,
+}
+
+impl Hold {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Hold::Ttft { .. } => "ttft",
+            Hold::Itl { .. } => "itl",
+            Hold::KvHighWater { .. } => "kv_high_water",
+            Hold::Preempting => "preempting",
+        }
+    }
+}
+
+/// Whether a request with `tokens` uncached prompt tokens may be dispatched to a replica now.
+pub fn admissible(
+    model: &LatencyModel,
+    p: &ReplicaPressure,
+    tokens: u64,
+    slo: &Slo,
+    kv_high_water: f64,
+) -> Result<(), Hold> {
+    if p.preempting {
+        return Err(Hold::Preempting);
+    }
+    if p.kv_usage > kv_high_water {
+        return Err(Hold::KvHighWater { usage: p.kv_usage });
+    }
+    if let (Some(target), Some(predicted)) = (
+        slo.ttft,
+        model.predict_ttft(p.queued_prefill_tokens, tokens),
+    ) {
+        if predicted > target {
+            return Err(Hold::Ttft { predicted });
+        }
+    }
+    if let (Some(target), Some(predicted)) = (slo.itl, model.predict_itl(p.running + 1)) {
+        if predicted > target {
+            return Err(Hold::Itl { predicted });
+        }
+    }
+    Ok(())
+}
+
+/// Why a request was answered with 429.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Shed {
+    QueueFull { retry_after: Duration },
+    DeadlineGone { retry_after: Duration },
+}
+
+impl Shed {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Shed::QueueFull { .. } => "queue_full",
+            Shed::DeadlineGone { .. } => "deadline",
+        }
+    }
+
+    /// Whole seconds for the `Retry-After` header (at least 1).
+    pub fn retry_after_secs(&self) -> u64 {
+        let d = match self {
+            Shed::QueueFull { retry_after } | Shed::DeadlineGone { retry_after } => *retry_after,
+        };
+        d.as_secs_f64().ceil().max(1.0) as u64
+    }
+}
+
+/// A waiting request's place in the queue.
+pub type Ticket = u64;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Waiter {
+    tokens: u64,
+}
+
+/// Waiting requests of one route, in (priority, deadline) order, bounded.
+pub struct AdmissionQueue {
+    capacity: usize,
+    next: AtomicU64,
+    entries: Mutex<BTreeMap<(i32, Duration, Ticket), Waiter>>,
+}
+
+impl AdmissionQueue {
+    pub fn new(capacity: usize) -> Self {
+        AdmissionQueue {
+            capacity,
+            next: AtomicU64::new(0),
+            entries: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.lock().is_empty()
+    }
+
+    /// Prompt tokens waiting in the queue.
+    pub fn backlog_tokens(&self) -> u64 {
+        self.entries.lock().values().map(|w| w.tokens).sum()
+    }
+
+    /// Time for `rate` tokens/s of fleet prefill to work through the backlog: the wait a shed
+    /// client is asked to observe.
+    pub fn retry_after(&self, fleet_prefill_rate: Option<f64>) -> Duration {
+        match fleet_prefill_rate {
+            Some(r) if r > 0.0 => Duration::from_secs_f64(self.backlog_tokens() as f64 / r),
+            _ => Duration::from_secs(1),
+        }
+    }
+
+    /// Queues a request (lower `priority` first, then earlier `deadline`), or sheds it when
+    /// the queue is full.
+    pub fn push(
+        &self,
+        priority: i32,
+        deadline: Duration,
+        tokens: u64,
+        fleet_prefill_rate: Option<f64>,
+    ) -> Result<Ticket, Shed> {
+        if self.len() >= self.capacity {
+            return Err(Shed::QueueFull {
+                retry_after: self.retry_after(fleet_prefill_rate),
+            });
+        }
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        self.entries
+            .lock()
+            .insert((priority, deadline, t), Waiter { tokens });
+        Ok(t)
+    }
+
+    /// The ticket to try next.
+    pub fn head(&self) -> Option<Ticket> {
+        self.entries.lock().keys().next().map(|k| k.2)
+    }
+
+    /// Removes a ticket (dispatched, or its client went away).
+    pub fn remove(&self, ticket: Ticket) -> bool {
+        let mut e = self.entries.lock();
+        let key = e.keys().find(|k| k.2 == ticket).copied();
+        key.is_some_and(|k| e.remove(&k).is_some())
+    }
+
+    /// Sheds every waiter whose deadline has passed at `now`.
+    pub fn expire(&self, now: Duration, fleet_prefill_rate: Option<f64>) -> Vec<(Ticket, Shed)> {
+        let expired: Vec<(i32, Duration, Ticket)> = self
+            .entries
+            .lock()
+            .keys()
+            .filter(|k| k.1 <= now)
+            .copied()
+            .collect();
+        let mut e = self.entries.lock();
+        for k in &expired {
+            e.remove(k);
+        }
+        drop(e);
+        let retry_after = self.retry_after(fleet_prefill_rate);
+        expired
+            .into_iter()
+            .map(|k| (k.2, Shed::DeadlineGone { retry_after }))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn slo() -> Slo {
+        Slo {
+            ttft: Some(1000 * MS),
+            itl: Some(50 * MS),
+        }
+    }
+
+    /// A replica that prefills 10k tokens/s and whose gap grows from 10 ms at batch 1 to 40 ms
+    /// at 32 and 80 ms at 64: the knee for a 50 ms promise lies between 32 and 64.
+    fn learnt() -> LatencyModel {
+        let mut m = LatencyModel::default();
+        for _ in 0..20 {
+            m.observe_ttft(0, 1000, 100 * MS);
+            m.observe_itl(1, 10 * MS);
+            m.observe_itl(32, 40 * MS);
+            m.observe_itl(64, 80 * MS);
+        }
+        m
+    }
+
+    #[test]
+    fn admits_under_the_slo() {
+        let m = learnt();
+        assert!((m.prefill_rate().unwrap() - 10_000.0).abs() < 1.0);
+        let p = ReplicaPressure {
+            running: 8,
+            queued_prefill_tokens: 2_000,
+            kv_usage: 0.5,
+            preempting: false,
+        };
+        assert_eq!(admissible(&m, &p, 3_000, &slo(), 0.9), Ok(()));
+        // A model with nothing learnt yet admits: it has to learn from somewhere.
+        assert_eq!(
+            admissible(&LatencyModel::default(), &p, 1_000_000, &slo(), 0.9),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn holds_when_the_replica_is_at_its_predicted_knee() {
+        let m = learnt();
+        // 40 running: one more sequence is predicted at 40 + (41-32)/32 * 40 = 51.25 ms > 50 ms.
+        let at_knee = ReplicaPressure {
+            running: 40,
+            ..ReplicaPressure::default()
+        };
+        match admissible(&m, &at_knee, 100, &slo(), 0.9) {
+            Err(Hold::Itl { predicted }) => {
+                assert!((predicted.as_secs_f64() - 0.05125).abs() < 1e-6)
+            }
+            other => panic!("{other:?}"),
+        }
+        let below = ReplicaPressure {
+            running: 30,
+            ..ReplicaPressure::default()
+        };
+        assert_eq!(admissible(&m, &below, 100, &slo(), 0.9), Ok(()));
+        // Too much prefill queued ahead breaks the TTFT promise instead: (8k + 3k) / 10k = 1.1 s.
+        let backed_up = ReplicaPressure {
+            queued_prefill_tokens: 8_000,
+            ..ReplicaPressure::default()
+        };
+        assert_eq!(
+            admissible(&m, &backed_up, 3_000, &slo(), 0.9)
+                .unwrap_err()
+                .label(),
+            "ttft"
+        );
+    }
+
+    #[test]
+    fn leading_indicators_cut_admission_off() {
+        let m = learnt();
+        let preempting = ReplicaPressure {
+            preempting: true,
+            ..ReplicaPressure::default()
+        };
+        assert_eq!(
+            admissible(&m, &preempting, 10, &slo(), 0.9),
+            Err(Hold::Preempting)
+        );
+        let full = ReplicaPressure {
+            kv_usage: 0.95,
+            ..ReplicaPressure::default()
+        };
+        assert_eq!(
+            admissible(&m, &full, 10, &slo(), 0.9),
+            Err(Hold::KvHighWater { usage: 0.95 })
+        );
+    }
+
+    #[test]
+    fn queue_orders_by_priority_then_deadline() {
+        let q = AdmissionQueue::new(10);
+        let batch = q.push(1, 100 * MS, 10, None).unwrap();
+        let late = q.push(0, 900 * MS, 10, None).unwrap();
+        let soon = q.push(0, 200 * MS, 10, None).unwrap();
+        assert_eq!(q.head(), Some(soon));
+        assert!(q.remove(soon));
+        assert_eq!(q.head(), Some(late));
+        assert!(q.remove(late));
+        assert_eq!(q.head(), Some(batch));
+    }
+
+    #[test]
+    fn sheds_with_a_correct_retry_after_when_the_deadline_is_gone() {
+        let clock = ManualClock::default();
+        let q = AdmissionQueue::new(2);
+        let a = q
+            .push(0, clock.now() + 1000 * MS, 20_000, Some(10_000.0))
+            .unwrap();
+        let b = q
+            .push(0, clock.now() + 3000 * MS, 5_000, Some(10_000.0))
+            .unwrap();
+        // Full: shed at once, told to wait for the 25k-token backlog at 10k tokens/s.
+        let full = q
+            .push(0, clock.now() + 1000 * MS, 1, Some(10_000.0))
+            .unwrap_err();
+        assert_eq!(
+            full,
+            Shed::QueueFull {
+                retry_after: 2500 * MS
+            }
+        );
+        assert_eq!(full.retry_after_secs(), 3);
+        clock.advance(1500 * MS);
+        let shed = q.expire(clock.now(), Some(10_000.0));
+        assert_eq!(
+            shed,
+            vec![(
+                a,
+                Shed::DeadlineGone {
+                    retry_after: 500 * MS
+                }
+            )]
+        );
+        assert_eq!(shed[0].1.retry_after_secs(), 1);
+        assert_eq!(q.head(), Some(b));
+        assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn itl_prediction_interpolates_and_extrapolates() {
+        let m = learnt();
+        assert_eq!(m.predict_itl(1), Some(10 * MS));
+        let mid = m.predict_itl(48).unwrap().as_secs_f64();
+        assert!((mid - 0.060).abs() < 1e-9, "{mid}");
+        let far = m.predict_itl(128).unwrap().as_secs_f64();
+        assert!((far - 0.160).abs() < 1e-9, "{far}");
+        assert_eq!(LatencyModel::default().predict_itl(4), None);
+    }
+}
