@@ -17,6 +17,7 @@ use pingora::proxy::Session;
 use pingora::{Error, ErrorType, Result};
 use protocol::ApiError;
 
+use crate::admission::LatencyModel;
 use crate::body::read_whole_body;
 use crate::registry::{HttpClient, InFlight};
 use crate::router::{Endpoint, Prepared, Router};
@@ -29,6 +30,19 @@ pub struct GatewayState {
     pub retry_backoff: Duration,
     pub first_byte_timeout: Duration,
     pub session_header: String,
+    /// Per replica, the latency model learnt from the streams this gateway relays.
+    pub models: Vec<parking_lot::Mutex<LatencyModel>>,
+}
+
+/// What the relay needs to time the answer and teach the replica's latency model.
+struct RelayContext {
+    slot: usize,
+    /// When the client's request arrived.
+    started: Instant,
+    /// When it was sent to the replica.
+    sent_at: Instant,
+    stream: bool,
+    uncached_tokens: u64,
 }
 
 pub struct GatewayProxy {
@@ -179,6 +193,7 @@ impl GatewayState {
                 Ok(r) => r,
                 Err(e) => return respond_error(session, &ApiError::internal(e.to_string())).await,
             };
+            let sent_at = Instant::now();
             let resp = match tokio::time::timeout(self.first_byte_timeout, self.client.request(req))
                 .await
             {
@@ -218,9 +233,17 @@ impl GatewayState {
                 continue;
             }
             router.commit(p, &d);
-            return self
-                .relay(session, resp, &replica.name, &d, started, p.stream)
-                .await;
+            let obs = RelayContext {
+                slot: d.replica,
+                started,
+                sent_at,
+                stream: p.stream,
+                uncached_tokens: p
+                    .prompt_tokens
+                    .saturating_sub(d.matched_blocks * router.block_size)
+                    as u64,
+            };
+            return self.relay(session, resp, &replica.name, &d, obs).await;
         }
         respond_error(session, &last_error).await
     }
@@ -231,9 +254,9 @@ impl GatewayState {
         resp: http::Response<hyper::body::Incoming>,
         replica: &str,
         d: &policies::RouteDecision,
-        started: Instant,
-        stream: bool,
+        obs: RelayContext,
     ) -> u16 {
+        let (started, stream) = (obs.started, obs.stream);
         let status = resp.status().as_u16();
         let (parts, mut body) = resp.into_parts();
         let Ok(mut h) = ResponseHeader::build(status, Some(8)) else {
@@ -284,9 +307,29 @@ impl GatewayState {
                 continue;
             }
             let now = Instant::now();
+            // Only a stream's chunk times are token times; a plain body arrives at the end.
+            let learn = stream && status == 200;
             match last {
-                None => m.ttft_seconds.record((now - started).as_secs_f64()),
-                Some(prev) if stream => m.inter_token_seconds.record((now - prev).as_secs_f64()),
+                None => {
+                    m.ttft_seconds.record((now - started).as_secs_f64());
+                    if learn {
+                        self.models[obs.slot].lock().observe_ttft(
+                            0,
+                            obs.uncached_tokens,
+                            now - obs.sent_at,
+                        );
+                    }
+                }
+                Some(prev) if stream => {
+                    m.inter_token_seconds.record((now - prev).as_secs_f64());
+                    if learn {
+                        let batch = self.router.registry.replicas[obs.slot]
+                            .load()
+                            .running
+                            .max(1);
+                        self.models[obs.slot].lock().observe_itl(batch, now - prev);
+                    }
+                }
                 Some(_) => {}
             }
             last = Some(now);

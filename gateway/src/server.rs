@@ -23,6 +23,7 @@ use protocol::ApiError;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::admission::LatencyModel;
 use crate::metrics::GatewayMetrics;
 use crate::prefix_index::PrefixIndex;
 use crate::proxy::{GatewayProxy, GatewayState};
@@ -83,6 +84,11 @@ pub async fn build_gateway(
         retry_backoff: Duration::from_millis(cfg.upstream.retry_backoff_ms),
         first_byte_timeout: Duration::from_secs(cfg.upstream.first_byte_timeout_s),
         session_header: cfg.session_header.to_ascii_lowercase(),
+        models: cfg
+            .replicas
+            .iter()
+            .map(|_| parking_lot::Mutex::new(LatencyModel::default()))
+            .collect(),
     });
     // Gauges that are cheaper to sample than to maintain.
     let weak = Arc::downgrade(&state);
@@ -213,6 +219,8 @@ async fn admin_handle(
                 .iter()
                 .map(|r| {
                     let l = r.load();
+                    let model = state.models[r.slot].lock().clone();
+                    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
                     serde_json::json!({
                         "name": r.name,
                         "address": r.addr().map(|a| a.to_string()),
@@ -222,6 +230,11 @@ async fn admin_handle(
                         "waiting": l.waiting,
                         "running": l.running,
                         "kv_usage": l.kv_usage,
+                        "learnt": {
+                            "prefill_tokens_per_s": model.prefill_rate(),
+                            "itl_ms_batch_1": ms(model.predict_itl(1)),
+                            "itl_ms_one_more": ms(model.predict_itl(l.running + 1)),
+                        },
                     })
                 })
                 .collect();

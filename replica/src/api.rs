@@ -171,20 +171,22 @@ async fn stream_choice(
     framing: Framing,
     tx: mpsc::Sender<Bytes>,
 ) -> Option<Usage> {
-    if matches!(framing.flavor, Flavor::Chat)
-        && tx
-            .send(framing.chunk(choice.index, Some(String::new()), true, None))
-            .await
-            .is_err()
-    {
-        return None;
-    }
+    // The chat role chunk goes out with the first token, as vLLM sends it, so the first
+    // event a client (or the gateway) sees marks the real time to first token.
+    let mut role_pending = matches!(framing.flavor, Flavor::Chat);
     loop {
         let Some(ev) = stream.next().await else {
             let err = ApiError::unavailable("the engine stopped before the request finished");
             let _ = tx.send(data_event(&err.body)).await;
             return None;
         };
+        if role_pending {
+            role_pending = false;
+            let role = framing.chunk(choice.index, Some(String::new()), true, None);
+            if tx.send(role).await.is_err() {
+                return None;
+            }
+        }
         let delta = match choice.on_event(&state.tokenizer, ev) {
             Ok(d) => d,
             Err(msg) => {

@@ -332,3 +332,26 @@ async fn a_client_leaving_mid_stream_cancels_the_upstream_request() {
         .wait_load(|l| l["num_reqs"] == 0 && l["kv_cache_usage"].as_f64() == Some(0.0))
         .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_learns_each_replicas_speed_from_streams() {
+    let reps = [start_replica(|_| {}).await];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let before = gw.admin_json("/admin/replicas").await;
+    assert!(before[0]["learnt"]["prefill_tokens_per_s"].is_null());
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": system_prompt("speed")}],
+                   "max_tokens": 20, "ignore_eos": true, "stream": true}),
+        )
+        .await;
+    let _ = r.bytes().await.unwrap();
+    let after = gw.admin_json("/admin/replicas").await;
+    let learnt = &after[0]["learnt"];
+    assert!(
+        learnt["prefill_tokens_per_s"].as_f64().unwrap() > 0.0,
+        "{after}"
+    );
+    assert!(learnt["itl_ms_batch_1"].as_f64().unwrap() > 0.0, "{after}");
+}
