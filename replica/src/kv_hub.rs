@@ -85,11 +85,20 @@ pub struct KvEventHub {
     tx: broadcast::Sender<Bytes>,
 }
 
-fn now_ts() -> f64 {
-    SystemTime::now()
+/// One wire frame: the batch of `events`, stamped now, numbered `seq`.
+fn frame(seq: u64, events: Vec<KvEvent>) -> Bytes {
+    let ts = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+        .unwrap_or(0.0);
+    encode_frame(
+        seq,
+        &KvEventBatch {
+            ts,
+            events,
+            data_parallel_rank: None,
+        },
+    )
 }
 
 impl KvEventHub {
@@ -112,14 +121,7 @@ impl KvEventHub {
             m.apply(ev);
         }
         m.seq += 1;
-        let frame = encode_frame(
-            m.seq,
-            &KvEventBatch {
-                ts: now_ts(),
-                events,
-                data_parallel_rank: None,
-            },
-        );
+        let frame = frame(m.seq, events);
         // No subscribers is fine: the mirror keeps the state for the next one.
         let _ = self.tx.send(frame);
     }
@@ -140,14 +142,7 @@ impl KvEventHub {
                 medium: Some("GPU".into()),
             });
         }
-        let frame = encode_frame(
-            m.seq,
-            &KvEventBatch {
-                ts: now_ts(),
-                events,
-                data_parallel_rank: None,
-            },
-        );
+        let frame = frame(m.seq, events);
         (frame, self.tx.subscribe())
     }
 

@@ -93,6 +93,17 @@ pub struct ScheduledItem {
     pub ignore_eos: bool,
 }
 
+impl ScheduledItem {
+    /// The item as the roofline model costs it.
+    pub fn work(&self) -> crate::roofline::WorkItem {
+        crate::roofline::WorkItem {
+            context: self.context as u64,
+            new_tokens: self.num_tokens as u64,
+            samples: self.samples,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct SchedulerOutput {
     pub items: Vec<ScheduledItem>,

@@ -95,14 +95,7 @@ impl EngineBackend for SimBackend {
     }
 
     fn execute(&mut self, items: &[ScheduledItem]) -> StepResult {
-        let work: Vec<WorkItem> = items
-            .iter()
-            .map(|i| WorkItem {
-                context: i.context as u64,
-                new_tokens: i.num_tokens as u64,
-                samples: i.samples,
-            })
-            .collect();
+        let work: Vec<WorkItem> = items.iter().map(ScheduledItem::work).collect();
         let cost = self.roofline.step_cost(&work);
         let sampled = items
             .iter()

@@ -272,14 +272,6 @@ fn chunked_prefill_keeps_every_decode_progressing() {
 }
 
 fn cost(roof: &Roofline, out: &SchedulerOutput) -> f64 {
-    let items: Vec<WorkItem> = out
-        .items
-        .iter()
-        .map(|i| WorkItem {
-            context: i.context as u64,
-            new_tokens: i.num_tokens as u64,
-            samples: i.samples,
-        })
-        .collect();
+    let items: Vec<WorkItem> = out.items.iter().map(ScheduledItem::work).collect();
     roof.step_cost(&items).seconds
 }
