@@ -1,10 +1,12 @@
 //! The benchmark client behind `kvgate bench` (in progress): open-loop Poisson arrivals, seeded
 //! workloads, streaming measurement of the four timers and a side-by-side compare mode.
 //!
-//! Built so far: the seeded random source and arrival process ([`arrival`]) and the percentile
-//! maths of the report ([`stats`]). The HTTP client, workloads, report and compare mode arrive
-//! with the rest of the load-tester issue.
+//! Built so far: the seeded random source and arrival process ([`arrival`]), the percentile
+//! maths of the report ([`stats`]) and the seeded workloads ([`workload`]: chat, agent, rag,
+//! mixed-tail). The HTTP client, trace replay, report, plots and compare mode arrive with the rest
+//! of the load-tester issue.
 #![forbid(unsafe_code)]
 
 pub mod arrival;
 pub mod stats;
+pub mod workload;

@@ -1,0 +1,282 @@
+//! Seeded workloads with the shapes real traffic has. Text comes from a built-in vocabulary of
+//! common English words (each one token in the Llama-3 and Qwen3 vocabularies, so word counts
+//! track token counts closely; callers with a tokenizer measure exact counts).
+//!
+//! - `chat`: multi-turn sessions over a few shared system prompts; every turn resends the whole
+//!   history plus a new user message, so each request extends the previous one's prefix, and
+//!   sessions interleave. Assistant turns in the history are synthetic text of a typical reply
+//!   length (an open-loop generator cannot wait for the real answer). Final conversations
+//!   average about 2,300 tokens.
+//! - `agent`: a few long shared system prompts with tool schemas and many short questions.
+//! - `rag`: long unique contexts with a short question each: little reuse.
+//! - `mixed_tail`: `chat` plus a small share of 32k-token prompts (the prompt-length tail).
+
+use crate::arrival::Rng;
+use protocol::openai::ChatMessage;
+
+const WORDS: &[&str] = &[
+    "the", "cache", "block", "token", "prefix", "server", "request", "model", "memory", "time",
+    "user", "answer", "system", "data", "query", "result", "batch", "queue", "latency", "route",
+    "load", "replica", "table", "file", "value", "report", "order", "price", "customer", "account",
+    "service", "network", "policy", "error", "update", "change", "support", "product", "market",
+    "team", "project", "plan", "review", "test", "build", "release", "version", "window", "page",
+    "line", "word", "number", "point", "state", "level", "rate", "cost", "week", "month", "year",
+    "and", "with", "from", "into", "over", "under", "after", "before", "about", "between", "is",
+    "was", "will", "can", "should", "must", "may", "has", "had", "does", "makes", "takes", "new",
+    "old", "large", "small", "long", "short", "high", "low", "fast", "slow", "first", "last",
+];
+
+/// `n` words of seeded text.
+pub fn text(rng: &mut Rng, n: usize) -> String {
+    let mut out = String::with_capacity(n * 7);
+    for i in 0..n {
+        if i > 0 {
+            out.push(if i % 17 == 0 { '.' } else { ' ' });
+            if i % 17 == 0 {
+                out.push(' ');
+            }
+        }
+        out.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Agent,
+    Rag,
+    MixedTail,
+}
+
+impl Kind {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "chat" => Some(Kind::Chat),
+            "agent" => Some(Kind::Agent),
+            "rag" => Some(Kind::Rag),
+            "mixed-tail" | "mixed_tail" => Some(Kind::MixedTail),
+            _ => None,
+        }
+    }
+}
+
+/// One request of a workload, in sending order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkItem {
+    /// Conversation it belongs to (`x-session-id`), if any.
+    pub session: Option<u64>,
+    pub messages: Vec<ChatMessage>,
+    pub max_tokens: u32,
+    /// Approximate prompt tokens (words and punctuation plus template overhead).
+    pub approx_tokens: usize,
+}
+
+fn approx_tokens(messages: &[ChatMessage]) -> usize {
+    messages
+        .iter()
+        .map(|m| {
+            // Vocabulary words are one token each; punctuation mostly splits off its own.
+            let pieces = match &m.content {
+                Some(protocol::openai::MessageContent::Text(t)) => {
+                    t.split_whitespace().count()
+                        + t.chars().filter(char::is_ascii_punctuation).count()
+                }
+                _ => 0,
+            };
+            pieces + 5
+        })
+        .sum()
+}
+
+fn item(session: Option<u64>, messages: Vec<ChatMessage>, max_tokens: u32) -> WorkItem {
+    WorkItem {
+        approx_tokens: approx_tokens(&messages),
+        session,
+        messages,
+        max_tokens,
+    }
+}
+
+/// Log-normal word count around `median`, clamped to `[lo, hi]`.
+fn length(rng: &mut Rng, median: f64, sigma: f64, lo: usize, hi: usize) -> usize {
+    ((median * (sigma * rng.normal()).exp()) as usize).clamp(lo, hi)
+}
+
+/// `n` requests of workload `kind`, reproducible from `seed`.
+pub fn generate(kind: Kind, n: usize, seed: u64) -> Vec<WorkItem> {
+    let mut rng = Rng::new(seed);
+    match kind {
+        Kind::Chat => chat(&mut rng, n),
+        Kind::Agent => agent(&mut rng, n),
+        Kind::Rag => (0..n)
+            .map(|i| {
+                let words = length(&mut rng, 3000.0, 0.4, 800, 12_000);
+                let ctx = text(&mut rng, words);
+                let q = text(&mut rng, 20);
+                item(
+                    Some(i as u64),
+                    vec![ChatMessage::new(
+                        "user",
+                        &format!("Context:\n{ctx}\n\nQuestion: {q}?"),
+                    )],
+                    128,
+                )
+            })
+            .collect(),
+        Kind::MixedTail => {
+            let mut out = chat(&mut rng, n);
+            for (i, w) in out.iter_mut().enumerate() {
+                // 2% of requests carry a 32k-token document.
+                if rng.below(100) < 2 {
+                    let doc = text(&mut rng, 32_000);
+                    *w = item(
+                        Some(1_000_000 + i as u64),
+                        vec![ChatMessage::new("user", &format!("Summarise:\n{doc}"))],
+                        256,
+                    );
+                }
+            }
+            out
+        }
+    }
+}
+
+/// Sessions interleave: each step picks a random live session and sends its next turn.
+fn chat(rng: &mut Rng, n: usize) -> Vec<WorkItem> {
+    let systems: Vec<String> = (0..4).map(|_| text(rng, 120)).collect();
+    struct Session {
+        id: u64,
+        history: Vec<ChatMessage>,
+        turns_left: usize,
+    }
+    let mut live: Vec<Session> = Vec::new();
+    let mut next_id = 0u64;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        if live.len() < 16 {
+            let sys = &systems[rng.below(systems.len() as u64) as usize];
+            live.push(Session {
+                id: next_id,
+                history: vec![ChatMessage::new("system", sys)],
+                // 3 to 9 turns (mean 6): with ~125-word questions and ~270-word replies
+                // (log-normal means) the last turn of an average session carries ~2,300 tokens.
+                turns_left: 3 + rng.below(7) as usize,
+            });
+            next_id += 1;
+        }
+        let k = rng.below(live.len() as u64) as usize;
+        let s = &mut live[k];
+        let words = length(rng, 110.0, 0.5, 10, 1_000);
+        let question = text(rng, words);
+        s.history.push(ChatMessage::new("user", &question));
+        out.push(item(Some(s.id), s.history.clone(), 256));
+        let words = length(rng, 250.0, 0.4, 20, 1_500);
+        let reply = text(rng, words);
+        s.history.push(ChatMessage::new("assistant", &reply));
+        s.turns_left -= 1;
+        if s.turns_left == 0 {
+            live.swap_remove(k);
+        }
+    }
+    out
+}
+
+fn agent(rng: &mut Rng, n: usize) -> Vec<WorkItem> {
+    let systems: Vec<String> = (0..3)
+        .map(|a| {
+            let tools: Vec<String> = (0..12)
+                .map(|t| {
+                    format!(
+                        "{{\"name\": \"tool_{a}_{t}\", \"description\": \"{}\", \"parameters\": {{\"query\": \"string\"}}}}",
+                        text(rng, 40)
+                    )
+                })
+                .collect();
+            format!("You are agent {a}. Tools:\n{}\n{}", tools.join("\n"), text(rng, 300))
+        })
+        .collect();
+    (0..n)
+        .map(|i| {
+            let sys = &systems[rng.below(systems.len() as u64) as usize];
+            let words = length(rng, 25.0, 0.4, 5, 200);
+            let q = text(rng, words);
+            item(
+                Some(i as u64),
+                vec![
+                    ChatMessage::new("system", sys),
+                    ChatMessage::new("user", &q),
+                ],
+                128,
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mean(v: impl Iterator<Item = usize>) -> f64 {
+        let v: Vec<usize> = v.collect();
+        v.iter().sum::<usize>() as f64 / v.len() as f64
+    }
+
+    #[test]
+    fn chat_turns_extend_their_session_and_sessions_interleave() {
+        let w = generate(Kind::Chat, 2_000, 11);
+        assert_eq!(w, generate(Kind::Chat, 2_000, 11), "seeded");
+        let mut last: std::collections::HashMap<u64, Vec<ChatMessage>> = Default::default();
+        let mut switches = 0;
+        for pair in w.windows(2) {
+            switches += usize::from(pair[0].session != pair[1].session);
+        }
+        for r in &w {
+            let s = r.session.unwrap();
+            if let Some(prev) = last.get(&s) {
+                // The new request's history starts with the previous request's messages.
+                assert!(r.messages.len() > prev.len());
+                assert_eq!(&r.messages[..prev.len()], &prev[..]);
+            }
+            last.insert(s, r.messages.clone());
+        }
+        assert!(
+            switches > 1_000,
+            "sessions interleave ({switches} switches)"
+        );
+        // Conversations average about 2,300 tokens at their last turn.
+        let finals = mean(last.values().map(|m| approx_tokens(m)));
+        assert!((1_900.0..2_700.0).contains(&finals), "{finals}");
+    }
+
+    #[test]
+    fn agent_shares_long_prefixes_and_rag_does_not() {
+        let a = generate(Kind::Agent, 300, 3);
+        let systems: std::collections::HashSet<String> = a
+            .iter()
+            .map(|r| match &r.messages[0].content {
+                Some(protocol::openai::MessageContent::Text(t)) => t.clone(),
+                _ => String::new(),
+            })
+            .collect();
+        assert_eq!(systems.len(), 3);
+        assert!(mean(a.iter().map(|r| r.approx_tokens)) > 700.0);
+        let r = generate(Kind::Rag, 100, 3);
+        let firsts: std::collections::HashSet<String> = r
+            .iter()
+            .map(|x| match &x.messages[0].content {
+                Some(protocol::openai::MessageContent::Text(t)) => t[..60].to_string(),
+                _ => String::new(),
+            })
+            .collect();
+        assert!(firsts.len() > 95, "rag contexts are unique");
+    }
+
+    #[test]
+    fn mixed_tail_adds_a_small_share_of_32k_prompts() {
+        let w = generate(Kind::MixedTail, 5_000, 5);
+        let long = w.iter().filter(|r| r.approx_tokens > 30_000).count();
+        let share = long as f64 / w.len() as f64;
+        assert!((0.01..0.03).contains(&share), "{share}");
+    }
+}
