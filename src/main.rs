@@ -32,6 +32,37 @@ enum Command {
     Gateway(GatewayArgs),
     /// Start a gateway and N sim replicas on free ports, on the default model files.
     Up(UpArgs),
+    /// Open-loop load test of an OpenAI endpoint (one target, one rate; compare mode comes later).
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Base URL of the target, e.g. http://127.0.0.1:8080
+    #[arg(long)]
+    target: String,
+    #[arg(long, default_value = "Qwen3-8B")]
+    model: String,
+    /// chat, agent, rag or mixed-tail.
+    #[arg(long, default_value = "chat")]
+    workload: String,
+    /// Poisson arrival rate, requests per second.
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// Seconds of arrivals.
+    #[arg(long, default_value_t = 30.0)]
+    duration: f64,
+    /// Upper bound on requests sent.
+    #[arg(long, default_value_t = 10_000)]
+    max_requests: usize,
+    /// Seconds at the start whose requests are not reported.
+    #[arg(long, default_value_t = 5.0)]
+    warmup: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the full report (with every sample) as JSON here.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -361,6 +392,39 @@ async fn run_up(a: UpArgs) -> Result<()> {
     result
 }
 
+async fn run_bench(a: BenchArgs) -> Result<()> {
+    let workload = loadtest::workload::Kind::parse(&a.workload)
+        .ok_or_else(|| anyhow!("--workload must be chat, agent, rag or mixed-tail"))?;
+    if !(a.rate > 0.0 && a.duration > 0.0 && a.warmup >= 0.0) {
+        bail!("--rate and --duration must be positive and --warmup non-negative");
+    }
+    let spec = loadtest::run::RunSpec {
+        base_url: a.target.trim_end_matches('/').to_string(),
+        model: a.model,
+        workload,
+        rate: a.rate,
+        duration: std::time::Duration::from_secs_f64(a.duration),
+        max_requests: a.max_requests,
+        warmup: std::time::Duration::from_secs_f64(a.warmup),
+        seed: a.seed,
+        request_timeout: std::time::Duration::from_secs(600),
+    };
+    let report = loadtest::run::run(&spec).await;
+    print!("{}", report.table());
+    if let Some(path) = a.json_out {
+        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    if report.ok == 0 {
+        bail!(
+            "no request succeeded; first error: {:?}",
+            report.samples.iter().find_map(|s| s.error.clone())
+        );
+    }
+    Ok(())
+}
+
 /// The name a replica serves for a profile (what clients must send as `model`).
 fn served_model_name(profile: &str) -> String {
     ModelProfile::resolve(profile)
@@ -393,6 +457,10 @@ fn main() -> Result<()> {
             .enable_all()
             .build()?
             .block_on(run_up(a)),
+        Command::Bench(a) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(run_bench(a)),
         Command::Capacity(a) => {
             if a.context == 0 {
                 bail!("--context must be positive");
