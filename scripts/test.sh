@@ -9,6 +9,13 @@ if ! python3 -c 'import openai' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check openai
 fi
 
+# The alert rules must load in Prometheus (promtool comes with Debian's `prometheus`).
+if command -v promtool >/dev/null; then
+  promtool check rules config/alerts.yml
+else
+  echo "promtool not found: skipping the alert-rule syntax check (apt-get install prometheus)"
+fi
+
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
