@@ -1,5 +1,6 @@
 //! The operator files name only metrics the code really exports: every `kvgate_*` name in
-//! `config/alerts.yml` must appear on a running replica's or gateway's `/metrics`.
+//! `config/alerts.yml` and `config/dashboard.json` must appear on a running replica's or
+//! gateway's `/metrics`.
 
 mod common;
 
@@ -19,7 +20,7 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn alert_rules_use_exported_metric_names() {
+async fn alert_rules_and_dashboard_use_exported_metric_names() {
     let rep = start_replica(|_| {}).await;
     let gw = start_gateway(&[&rep], |_| {}).await;
     // Traffic, so every labelled series exists.
