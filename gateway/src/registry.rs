@@ -305,27 +305,15 @@ impl Registry {
     /// Starts health checks, load polling and (when enabled) KV event subscriptions.
     pub fn spawn_background(self: &Arc<Self>) {
         for r in &self.replicas {
-            let me = self.clone();
-            let rep = r.clone();
-            tokio::spawn(async move {
-                let mut tick =
-                    tokio::time::interval(Duration::from_millis(me.cfg.health.interval_ms));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    me.check(&rep).await;
-                }
+            let (me, rep) = (self.clone(), r.clone());
+            every(self.cfg.health.interval_ms, move || {
+                let (me, rep) = (me.clone(), rep.clone());
+                async move { me.check(&rep).await }
             });
-            let me = self.clone();
-            let rep = r.clone();
-            tokio::spawn(async move {
-                let mut tick =
-                    tokio::time::interval(Duration::from_millis(me.cfg.upstream.load_poll_ms));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    me.poll_load(&rep).await;
-                }
+            let (me, rep) = (self.clone(), r.clone());
+            every(self.cfg.upstream.load_poll_ms, move || {
+                let (me, rep) = (me.clone(), rep.clone());
+                async move { me.poll_load(&rep).await }
             });
             if self.cfg.index.kv_events {
                 let me = self.clone();
@@ -343,4 +331,20 @@ impl Registry {
             }
         }
     }
+}
+
+/// Runs `task` every `period_ms`, forever; a slow run delays the next instead of piling up.
+fn every<F, Fut>(period_ms: u64, task: F)
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(period_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            task().await;
+        }
+    });
 }

@@ -108,55 +108,54 @@ impl Framing {
     }
 
     fn chunk(&self, index: u32, text: Option<String>, role: bool, finish: Option<&str>) -> Bytes {
-        match self.flavor {
-            Flavor::Completion => data_event(&CompletionResponse {
-                id: self.id.clone(),
-                object: "text_completion".into(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![CompletionChoice {
-                    index,
-                    text: text.unwrap_or_default(),
-                    logprobs: None,
-                    finish_reason: finish.map(str::to_string),
-                }],
-                usage: None,
-            }),
-            Flavor::Chat => data_event(&ChatCompletionChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk".into(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![ChatChunkChoice {
-                    index,
-                    delta: ChatDelta {
-                        role: role.then(|| "assistant".to_string()),
-                        content: text,
-                    },
-                    finish_reason: finish.map(str::to_string),
-                }],
-                usage: None,
-            }),
-        }
+        self.event(Some((index, text, role, finish)), None)
     }
 
     fn usage_chunk(&self, usage: Usage) -> Bytes {
+        self.event(None, Some(usage))
+    }
+
+    /// One stream event: a choice's delta, or (with no choice) the closing usage.
+    fn event(
+        &self,
+        choice: Option<(u32, Option<String>, bool, Option<&str>)>,
+        usage: Option<Usage>,
+    ) -> Bytes {
+        let finish = |f: Option<&str>| f.map(str::to_string);
         match self.flavor {
             Flavor::Completion => data_event(&CompletionResponse {
                 id: self.id.clone(),
                 object: "text_completion".into(),
                 created: self.created,
                 model: self.model.clone(),
-                choices: vec![],
-                usage: Some(usage),
+                choices: choice
+                    .into_iter()
+                    .map(|(index, text, _, f)| CompletionChoice {
+                        index,
+                        text: text.unwrap_or_default(),
+                        logprobs: None,
+                        finish_reason: finish(f),
+                    })
+                    .collect(),
+                usage,
             }),
             Flavor::Chat => data_event(&ChatCompletionChunk {
                 id: self.id.clone(),
                 object: "chat.completion.chunk".into(),
                 created: self.created,
                 model: self.model.clone(),
-                choices: vec![],
-                usage: Some(usage),
+                choices: choice
+                    .into_iter()
+                    .map(|(index, text, role, f)| ChatChunkChoice {
+                        index,
+                        delta: ChatDelta {
+                            role: role.then(|| "assistant".to_string()),
+                            content: text,
+                        },
+                        finish_reason: finish(f),
+                    })
+                    .collect(),
+                usage,
             }),
         }
     }

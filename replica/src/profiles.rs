@@ -313,30 +313,15 @@ mod tests {
 
     #[test]
     fn builtin_param_counts_match_the_published_sizes() {
-        let l = ModelProfile::resolve("llama-3.1-8b").unwrap();
-        assert!(
-            (l.total_params() / 1e9 - 8.03).abs() < 0.05,
-            "{}",
-            l.total_params()
-        );
-        let q = ModelProfile::resolve("Qwen3-8B").unwrap();
-        assert!(
-            (q.total_params() / 1e9 - 8.19).abs() < 0.05,
-            "{}",
-            q.total_params()
-        );
-        let m = ModelProfile::resolve("mistral-7b").unwrap();
-        assert!(
-            (m.total_params() / 1e9 - 7.25).abs() < 0.05,
-            "{}",
-            m.total_params()
-        );
-        let b = ModelProfile::resolve("llama-3.1-70b-tp4").unwrap();
-        assert!(
-            (b.total_params() / 1e9 - 70.55).abs() < 0.2,
-            "{}",
-            b.total_params()
-        );
+        for (name, billions, tolerance) in [
+            ("llama-3.1-8b", 8.03, 0.05),
+            ("Qwen3-8B", 8.19, 0.05),
+            ("mistral-7b", 7.25, 0.05),
+            ("llama-3.1-70b-tp4", 70.55, 0.2),
+        ] {
+            let p = ModelProfile::resolve(name).unwrap().total_params() / 1e9;
+            assert!((p - billions).abs() < tolerance, "{name}: {p}");
+        }
     }
 
     #[test]
