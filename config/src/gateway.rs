@@ -151,8 +151,13 @@ pub struct GatewayConfig {
     pub index: IndexConfig,
     #[serde(default)]
     pub upstream: UpstreamConfig,
+    /// Routing policy of the single catch-all route when no `policy_file` is given.
     #[serde(default)]
     pub policy: PolicyConfig,
+    /// The policy file (routes, SLOs, admission thresholds), hot-reloaded; relative paths are
+    /// resolved against the gateway file's folder. Replaces `[policy]` when given.
+    #[serde(default)]
+    pub policy_file: Option<String>,
 }
 
 fn default_model() -> String {
@@ -226,6 +231,7 @@ impl GatewayConfig {
             index: IndexConfig::default(),
             upstream: UpstreamConfig::default(),
             policy: PolicyConfig::default(),
+            policy_file: None,
         }
     }
 

@@ -6,7 +6,9 @@
 pub mod error;
 pub mod gateway;
 pub mod policy;
+pub mod routes;
 
 pub use error::{ConfigError, FieldError};
 pub use gateway::GatewayConfig;
 pub use policy::PolicyConfig;
+pub use routes::{PolicyFile, Priority, RouteConfig, SloConfig};

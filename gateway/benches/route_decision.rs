@@ -50,7 +50,6 @@ fn router(tok: Arc<TextTokenizer>) -> Router {
         tok,
         "Qwen3-8B".into(),
         16,
-        policies::build(&cfg.policy),
         registry,
         Arc::new(GatewayMetrics::new(&names)),
     )
@@ -69,6 +68,12 @@ fn bench(c: &mut Criterion) {
         .build()
         .unwrap();
     let _guard = rt.enter();
+    let policy = policies::build(&config::PolicyConfig::default());
+    let decide = |r: &Router, p: &gateway::router::Prepared| {
+        let matched = r.matched(p);
+        r.decide_in(policy.as_ref(), p, &matched, &[], false)
+            .unwrap()
+    };
     let mut g = c.benchmark_group("route_decision_32k_chat");
     g.sample_size(20);
     g.bench_function("cold_segment_cache", |b| {
@@ -76,7 +81,7 @@ fn bench(c: &mut Criterion) {
             || router(tok.clone()),
             |r| {
                 let p = r.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
-                r.decide(&p, &[]).unwrap()
+                decide(&r, &p)
             },
             criterion::BatchSize::PerIteration,
         )
@@ -85,14 +90,14 @@ fn bench(c: &mut Criterion) {
     let p = warm
         .prepare(Endpoint::ChatCompletions, &body, None)
         .unwrap();
-    let (d, _) = warm.decide(&p, &[]).unwrap();
-    warm.commit(&p, &d);
+    let d = decide(&warm, &p);
+    warm.commit(policy.name(), &p, &d);
     g.bench_function("warm_segment_cache", |b| {
         b.iter(|| {
             let p = warm
                 .prepare(Endpoint::ChatCompletions, &body, None)
                 .unwrap();
-            warm.decide(&p, &[]).unwrap()
+            decide(&warm, &p)
         })
     });
     g.finish();

@@ -14,11 +14,10 @@
 //! request whose TTFT deadline has passed, or that finds the queue full, is shed with a
 //! Retry-After estimated from the backlog. Time comes from a [`Clock`], so tests control it.
 //!
-//! This slice is the controller and its tests; wiring it into routes (the policy file's
-//! `[[routes]]`, hot reload and goodput accounting) is the rest of the admission issue.
+//! `dispatch.rs` wires this controller into the request path; it holds no I/O itself.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -215,8 +214,16 @@ pub fn admissible(
 /// Why a request was answered with 429.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Shed {
-    QueueFull { retry_after: Duration },
-    DeadlineGone { retry_after: Duration },
+    QueueFull {
+        retry_after: Duration,
+    },
+    DeadlineGone {
+        retry_after: Duration,
+    },
+    /// Waited the route's whole queue timeout.
+    Timeout {
+        retry_after: Duration,
+    },
 }
 
 impl Shed {
@@ -224,13 +231,16 @@ impl Shed {
         match self {
             Shed::QueueFull { .. } => "queue_full",
             Shed::DeadlineGone { .. } => "deadline",
+            Shed::Timeout { .. } => "timeout",
         }
     }
 
     /// Whole seconds for the `Retry-After` header (at least 1).
     pub fn retry_after_secs(&self) -> u64 {
         let d = match self {
-            Shed::QueueFull { retry_after } | Shed::DeadlineGone { retry_after } => *retry_after,
+            Shed::QueueFull { retry_after }
+            | Shed::DeadlineGone { retry_after }
+            | Shed::Timeout { retry_after } => *retry_after,
         };
         d.as_secs_f64().ceil().max(1.0) as u64
     }
@@ -246,7 +256,7 @@ struct Waiter {
 
 /// Waiting requests of one route, in (priority, deadline) order, bounded.
 pub struct AdmissionQueue {
-    capacity: usize,
+    capacity: AtomicUsize,
     next: AtomicU64,
     entries: Mutex<BTreeMap<(i32, Duration, Ticket), Waiter>>,
 }
@@ -254,7 +264,7 @@ pub struct AdmissionQueue {
 impl AdmissionQueue {
     pub fn new(capacity: usize) -> Self {
         AdmissionQueue {
-            capacity,
+            capacity: AtomicUsize::new(capacity),
             next: AtomicU64::new(0),
             entries: Mutex::new(BTreeMap::new()),
         }
@@ -262,6 +272,11 @@ impl AdmissionQueue {
 
     pub fn len(&self) -> usize {
         self.entries.lock().len()
+    }
+
+    /// A reloaded policy may resize the queue; waiters already in it stay.
+    pub fn set_capacity(&self, capacity: usize) {
+        self.capacity.store(capacity, Ordering::Relaxed);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -291,7 +306,7 @@ impl AdmissionQueue {
         tokens: u64,
         fleet_prefill_rate: Option<f64>,
     ) -> Result<Ticket, Shed> {
-        if self.len() >= self.capacity {
+        if self.len() >= self.capacity.load(Ordering::Relaxed) {
             return Err(Shed::QueueFull {
                 retry_after: self.retry_after(fleet_prefill_rate),
             });

@@ -1,11 +1,15 @@
 //! The OpenAI-compatible front door, on pingora: reads the whole body, renders and tokenises
 //! the prompt with the protocol crate, hashes its blocks, asks a routing policy (fed by the
-//! prefix index and the replicas' load) for a replica and proxies the answer back, streaming.
+//! prefix index and the replicas' load) for a replica among those admission allows, and
+//! proxies the answer back, streaming, accounting goodput per route.
 #![forbid(unsafe_code)]
 
 pub mod admission;
 pub mod body;
+pub mod dispatch;
+pub mod goodput;
 pub mod metrics;
+pub mod policy_store;
 pub mod prefix_index;
 pub mod proxy;
 pub mod registry;

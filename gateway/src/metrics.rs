@@ -1,5 +1,6 @@
-//! The gateway's Prometheus metrics (`kvgate_gateway_*`): requests by route and status, the
-//! timers as the gateway sees them (TTFT, inter-token, end-to-end, tokenise, routing decision),
+//! The gateway's Prometheus metrics (`kvgate_gateway_*`): requests by endpoint and status, the
+//! timers as the gateway sees them (queue, TTFT, inter-token and end-to-end per policy route —
+//! see `goodput.rs` — plus tokenise and routing decision), policy reloads,
 //! decisions by policy and reason, the *predicted* prefix hit ratio per replica (prompt tokens
 //! routed and tokens the index expected cached there, beside the replicas' actual counters),
 //! replica health and the prefix index's size. Like the replica, the gateway owns its recorder.
@@ -28,14 +29,13 @@ pub struct ReplicaMetrics {
 pub struct GatewayMetrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
-    pub ttft_seconds: Histogram,
-    pub inter_token_seconds: Histogram,
-    pub e2e_seconds: Histogram,
     pub tokenize_seconds: Histogram,
     pub route_seconds: Histogram,
     pub index_blocks: Gauge,
     pub index_bytes: Gauge,
     pub retries: Counter,
+    pub policy_generation: Gauge,
+    pub policy_last_reload_ok: Gauge,
     pub replicas: Vec<ReplicaMetrics>,
 }
 
@@ -80,6 +80,90 @@ impl GatewayMetrics {
             "kvgate_gateway_retries_total",
             "Requests re-sent to another replica",
         );
+        for (name, help) in [
+            (
+                "kvgate_gateway_ttft_seconds",
+                "Request arrival (queue included) to the first body byte forwarded, by route",
+            ),
+            (
+                "kvgate_gateway_inter_token_seconds",
+                "Gap between consecutive streamed chunks, by route",
+            ),
+            (
+                "kvgate_gateway_e2e_seconds",
+                "Request arrival to the end of the response, by route",
+            ),
+            (
+                "kvgate_gateway_queue_seconds",
+                "Time a request waited for admission, by route",
+            ),
+        ] {
+            recorder.describe_histogram(
+                KeyName::from(name),
+                Some(Unit::Seconds),
+                SharedString::from(help),
+            );
+        }
+        for (name, help) in [
+            (
+                "kvgate_gateway_route_requests_total",
+                "Admitted requests that finished, by route",
+            ),
+            (
+                "kvgate_gateway_good_requests_total",
+                "Finished requests that met both latency targets, by route",
+            ),
+            (
+                "kvgate_gateway_route_output_tokens_total",
+                "Output tokens of finished requests, by route",
+            ),
+            (
+                "kvgate_gateway_good_output_tokens_total",
+                "Output tokens of requests that met both targets, by route",
+            ),
+            (
+                "kvgate_gateway_slo_violations_total",
+                "Finished requests that missed a target, by route and kind (ttft, itl)",
+            ),
+            (
+                "kvgate_gateway_shed_total",
+                "Requests answered 429, by route and reason (queue_full, deadline, timeout)",
+            ),
+            (
+                "kvgate_gateway_admission_holds_total",
+                "Requests that had to wait, by route and the first reason (ttft, itl, kv_high_water, preempting, concurrency, token_budget, queue_order)",
+            ),
+            (
+                "kvgate_gateway_policy_reloads_total",
+                "Policy file loads, by result (ok, rejected)",
+            ),
+        ] {
+            describe_counter(name, help);
+        }
+        for (name, help) in [
+            (
+                "kvgate_gateway_goodput_ratio",
+                "Requests served within the route's targets over all asked (finished or shed) in the last minute",
+            ),
+            (
+                "kvgate_gateway_route_in_flight",
+                "Admitted requests of the route not yet finished",
+            ),
+            (
+                "kvgate_gateway_route_queue_depth",
+                "Requests waiting for admission, by route",
+            ),
+            (
+                "kvgate_gateway_policy_generation",
+                "Policy files accepted since start (1 = the first)",
+            ),
+            (
+                "kvgate_gateway_policy_last_reload_ok",
+                "1 when the last policy load was accepted, 0 when it was rejected",
+            ),
+        ] {
+            describe_gauge(name, help);
+        }
         describe_gauge(
             "kvgate_gateway_replica_healthy",
             "1 when the replica is admitted, 0 when ejected",
@@ -121,18 +205,6 @@ impl GatewayMetrics {
             })
             .collect();
         GatewayMetrics {
-            ttft_seconds: h(
-                "kvgate_gateway_ttft_seconds",
-                "Request arrival to the first body byte forwarded",
-            ),
-            inter_token_seconds: h(
-                "kvgate_gateway_inter_token_seconds",
-                "Gap between consecutive streamed chunks",
-            ),
-            e2e_seconds: h(
-                "kvgate_gateway_e2e_seconds",
-                "Request arrival to the end of the response",
-            ),
             tokenize_seconds: h(
                 "kvgate_gateway_tokenize_seconds",
                 "Render and tokenise the prompt",
@@ -147,6 +219,12 @@ impl GatewayMetrics {
                 .register_gauge(&Key::from_name("kvgate_gateway_prefix_index_bytes"), &META),
             retries: recorder
                 .register_counter(&Key::from_name("kvgate_gateway_retries_total"), &META),
+            policy_generation: recorder
+                .register_gauge(&Key::from_name("kvgate_gateway_policy_generation"), &META),
+            policy_last_reload_ok: recorder.register_gauge(
+                &Key::from_name("kvgate_gateway_policy_last_reload_ok"),
+                &META,
+            ),
             replicas,
             recorder,
             handle,
@@ -178,6 +256,46 @@ impl GatewayMetrics {
                 &META,
             )
             .increment(1);
+    }
+
+    fn route_key(name: &'static str, route: &str, extra: &[(&'static str, &'static str)]) -> Key {
+        let mut labels = vec![Label::new("route", route.to_string())];
+        labels.extend(extra.iter().map(|(k, v)| Label::new(*k, *v)));
+        Key::from_parts(name, labels)
+    }
+
+    /// A counter labelled with a policy route (operator-defined, so bounded by the file).
+    pub fn route_counter(
+        &self,
+        name: &'static str,
+        route: &str,
+        extra: &[(&'static str, &'static str)],
+    ) -> Counter {
+        self.recorder
+            .register_counter(&Self::route_key(name, route, extra), &META)
+    }
+
+    pub fn route_gauge(&self, name: &'static str, route: &str) -> Gauge {
+        self.recorder
+            .register_gauge(&Self::route_key(name, route, &[]), &META)
+    }
+
+    pub fn route_histogram(&self, name: &'static str, route: &str) -> Histogram {
+        self.recorder
+            .register_histogram(&Self::route_key(name, route, &[]), &META)
+    }
+
+    pub fn policy_reload(&self, ok: bool) {
+        self.recorder
+            .register_counter(
+                &Key::from_parts(
+                    "kvgate_gateway_policy_reloads_total",
+                    vec![Label::new("result", if ok { "ok" } else { "rejected" })],
+                ),
+                &META,
+            )
+            .increment(1);
+        self.policy_last_reload_ok.set(if ok { 1.0 } else { 0.0 });
     }
 
     pub fn render(&self) -> String {

@@ -1,5 +1,6 @@
 //! The pingora service: every request is answered in `request_filter` — read the whole body
-//! (`body.rs` says why), route, forward with retries before the first byte reaches the client,
+//! (`body.rs` says why), classify it into a policy route, wait for admission (`dispatch.rs`) or
+//! answer 429, forward with retries before the first byte reaches the client,
 //! then pass the replica's answer through chunk by chunk (SSE events are never buffered),
 //! timing TTFT and inter-token gaps from the stream it forwards. A client that goes away makes
 //! the next write fail; the upstream response is then dropped, which closes that connection and
@@ -17,9 +18,12 @@ use pingora::proxy::Session;
 use pingora::{Error, ErrorType, Result};
 use protocol::ApiError;
 
-use crate::admission::LatencyModel;
+use crate::admission::{LatencyModel, Slo};
 use crate::body::read_whole_body;
-use crate::registry::{HttpClient, InFlight};
+use crate::dispatch::{Admitted, Refusal};
+use crate::goodput::Outcome;
+use crate::policy_store::{ActiveRoute, PolicyStore};
+use crate::registry::{HttpClient, InFlight, PendingPrefill};
 use crate::router::{Endpoint, Prepared, Router};
 
 pub struct GatewayState {
@@ -32,6 +36,8 @@ pub struct GatewayState {
     pub session_header: String,
     /// Per replica, the latency model learnt from the streams this gateway relays.
     pub models: Vec<parking_lot::Mutex<LatencyModel>>,
+    /// Routes, SLOs and admission thresholds (hot-reloaded).
+    pub policies: PolicyStore,
 }
 
 /// What the relay needs to time the answer and teach the replica's latency model.
@@ -43,6 +49,12 @@ struct RelayContext {
     sent_at: Instant,
     stream: bool,
     uncached_tokens: u64,
+    /// Uncached prefill already queued at the replica when this one was sent.
+    ahead_tokens: u64,
+    pending: PendingPrefill,
+    /// The route's promise when the request was admitted, for goodput accounting.
+    slo: Slo,
+    admitted: Admitted,
 }
 
 pub struct GatewayProxy {
@@ -71,6 +83,10 @@ async fn respond(
         let _ = session.write_response_body(Some(body), true).await;
     }
     status
+}
+
+fn count(hay: &[u8], needle: &[u8]) -> usize {
+    hay.windows(needle.len()).filter(|w| *w == needle).count()
 }
 
 async fn respond_error(session: &mut Session, e: &ApiError) -> u16 {
@@ -127,11 +143,61 @@ impl GatewayState {
             .get(self.session_header.as_str())
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        let priority = match session.req_header().headers.get(config::Priority::HEADER) {
+            None => config::Priority::Interactive,
+            Some(v) => match v.to_str().ok().and_then(config::Priority::parse) {
+                Some(p) => p,
+                None => {
+                    let e = ApiError::invalid_request(format!(
+                        "{} must be interactive or batch, got {:?}",
+                        config::Priority::HEADER,
+                        String::from_utf8_lossy(v.as_bytes())
+                    ))
+                    .with_code("invalid_priority");
+                    return respond_error(session, &e).await;
+                }
+            },
+        };
         let prepared = match self.prepare(endpoint, body.clone(), session_id).await {
             Ok(p) => p,
             Err(e) => return respond_error(session, &e).await,
         };
-        self.forward(session, &prepared, body, started).await
+        // One policy version for the whole request, whatever reloads meanwhile.
+        let active = self.policies.load();
+        let route = active.route(prepared.prompt_tokens, priority);
+        match self
+            .admit(&active, route, &prepared, priority, started)
+            .await
+        {
+            Ok(admitted) => {
+                self.forward(session, route, &prepared, body, started, admitted)
+                    .await
+            }
+            Err(Refusal::Error(e)) => respond_error(session, &e).await,
+            Err(Refusal::Shed(shed)) => {
+                let secs = shed.retry_after_secs();
+                let e = ApiError::new(
+                    429,
+                    "rate_limit_exceeded",
+                    format!(
+                        "route {} cannot serve this request within its latency targets now ({}); retry after {secs} s",
+                        route.cfg.name,
+                        shed.label()
+                    ),
+                )
+                .with_code(shed.label());
+                respond(
+                    session,
+                    429,
+                    Bytes::from(e.to_json()),
+                    &[
+                        ("retry-after", secs.to_string()),
+                        ("x-kvgate-route", route.cfg.name.clone()),
+                    ],
+                )
+                .await
+            }
+        }
     }
 
     /// Tokenising is CPU work: it runs on the blocking pool, never on the reactor.
@@ -156,22 +222,35 @@ impl GatewayState {
     async fn forward(
         &self,
         session: &mut Session,
+        route: &ActiveRoute,
         p: &Prepared,
         body: Bytes,
         started: Instant,
+        admitted: Admitted,
     ) -> u16 {
         let router = &self.router;
         let registry = &router.registry;
         let mut tried: Vec<usize> = Vec::new();
         let mut last_error = ApiError::unavailable("no healthy replica is available")
             .with_code("no_healthy_replica");
+        let outside: Vec<usize> = (0..registry.replicas.len())
+            .filter(|i| !route.pool.contains(i))
+            .collect();
+        let mut first = Some(admitted.decision.clone());
         for attempt in 0..=self.retries {
             if attempt > 0 {
                 router.metrics.retries.increment(1);
                 tokio::time::sleep(self.retry_backoff * attempt).await;
             }
-            let (d, _) = match router.decide(p, &tried) {
-                Ok(x) => x,
+            let decided = match first.take() {
+                Some(d) => Ok(d),
+                None => {
+                    let exclude: Vec<usize> = outside.iter().chain(&tried).copied().collect();
+                    router.decide_in(route.policy.as_ref(), p, &admitted.matched, &exclude, false)
+                }
+            };
+            let d = match decided {
+                Ok(d) => d,
                 Err(e) => {
                     if tried.is_empty() {
                         last_error = e;
@@ -185,7 +264,11 @@ impl GatewayState {
                 registry.report_failure(d.replica);
                 continue;
             };
-            let _in_flight = InFlight::new(replica.clone());
+            let in_flight = InFlight::new(replica.clone());
+            let uncached_tokens =
+                p.prompt_tokens
+                    .saturating_sub(d.matched_blocks * router.block_size) as u64;
+            let (pending, ahead_tokens) = PendingPrefill::new(replica.clone(), uncached_tokens);
             let req = match http::Request::post(format!("http://{addr}{}", p.endpoint.path()))
                 .header("content-type", "application/json")
                 .body(http_body_util::Full::new(body.clone()))
@@ -232,18 +315,23 @@ impl GatewayState {
                 );
                 continue;
             }
-            router.commit(p, &d);
+            router.commit(route.policy.name(), p, &d);
             let obs = RelayContext {
                 slot: d.replica,
                 started,
                 sent_at,
                 stream: p.stream,
-                uncached_tokens: p
-                    .prompt_tokens
-                    .saturating_sub(d.matched_blocks * router.block_size)
-                    as u64,
+                uncached_tokens,
+                ahead_tokens,
+                pending,
+                slo: route.slo,
+                admitted,
             };
-            return self.relay(session, resp, &replica.name, &d, obs).await;
+            let status = self
+                .relay(session, resp, &replica.name, &route.cfg.name, &d, obs)
+                .await;
+            drop(in_flight);
+            return status;
         }
         respond_error(session, &last_error).await
     }
@@ -253,10 +341,12 @@ impl GatewayState {
         session: &mut Session,
         resp: http::Response<hyper::body::Incoming>,
         replica: &str,
+        route_name: &str,
         d: &policies::RouteDecision,
-        obs: RelayContext,
+        mut obs: RelayContext,
     ) -> u16 {
         let (started, stream) = (obs.started, obs.stream);
+        let stats = &obs.admitted.route().stats;
         let status = resp.status().as_u16();
         let (parts, mut body) = resp.into_parts();
         let Ok(mut h) = ResponseHeader::build(status, Some(8)) else {
@@ -280,6 +370,11 @@ impl GatewayState {
         let _ = h.insert_header("x-kvgate-upstream", replica);
         let _ = h.insert_header("x-kvgate-route-reason", d.reason.label());
         let _ = h.insert_header("x-kvgate-matched-blocks", d.matched_blocks.to_string());
+        let _ = h.insert_header("x-kvgate-route", route_name);
+        let _ = h.insert_header(
+            "x-kvgate-queue-ms",
+            obs.admitted.queued.as_millis().to_string(),
+        );
         if session
             .write_response_header(Box::new(h), false)
             .await
@@ -287,8 +382,13 @@ impl GatewayState {
         {
             return 499;
         }
-        let m = &self.router.metrics;
         let mut last: Option<Instant> = None;
+        let mut outcome = Outcome {
+            stream,
+            ..Outcome::default()
+        };
+        // An unstreamed answer is small; it is kept to read its usage for goodput accounting.
+        let mut whole: Vec<u8> = Vec::new();
         loop {
             // The same bound applies between chunks: a replica that stalls mid-answer is cut off.
             let Ok(next) = tokio::time::timeout(self.first_byte_timeout, body.frame()).await else {
@@ -311,21 +411,24 @@ impl GatewayState {
             let learn = stream && status == 200;
             match last {
                 None => {
-                    m.ttft_seconds.record((now - started).as_secs_f64());
+                    obs.pending.done();
+                    outcome.ttft = Some(now - started);
+                    stats.ttft_seconds.record((now - started).as_secs_f64());
                     if learn {
                         self.models[obs.slot].lock().observe_ttft(
-                            0,
+                            obs.ahead_tokens,
                             obs.uncached_tokens,
                             now - obs.sent_at,
                         );
                     }
                 }
                 Some(prev) if stream => {
-                    m.inter_token_seconds.record((now - prev).as_secs_f64());
+                    outcome.gaps.push(now - prev);
+                    stats.inter_token_seconds.record((now - prev).as_secs_f64());
                     if learn {
                         let batch = self.router.registry.replicas[obs.slot]
                             .load()
-                            .running
+                            .requests()
                             .max(1);
                         self.models[obs.slot].lock().observe_itl(batch, now - prev);
                     }
@@ -333,6 +436,13 @@ impl GatewayState {
                 Some(_) => {}
             }
             last = Some(now);
+            if stream {
+                // Streamed chunks (events other than [DONE]) stand for output tokens.
+                outcome.output_tokens +=
+                    count(&data, b"data:").saturating_sub(count(&data, b"[DONE]")) as u64;
+            } else if whole.len() + data.len() <= 1 << 20 {
+                whole.extend_from_slice(&data);
+            }
             if session
                 .write_response_body(Some(data), false)
                 .await
@@ -344,7 +454,18 @@ impl GatewayState {
             }
         }
         let _ = session.write_response_body(None, true).await;
-        m.e2e_seconds.record(started.elapsed().as_secs_f64());
+        outcome.e2e = started.elapsed();
+        stats.e2e_seconds.record(outcome.e2e.as_secs_f64());
+        if status == 200 {
+            if !stream {
+                outcome.output_tokens = serde_json::from_slice::<serde_json::Value>(&whole)
+                    .ok()
+                    .and_then(|v| v["usage"]["completion_tokens"].as_u64())
+                    .unwrap_or(1);
+            }
+            let rt = obs.admitted.route();
+            stats.finished(rt.now_s(), &outcome, &obs.slo);
+        }
         status
     }
 }

@@ -50,6 +50,13 @@ pub struct ReplicaHandle {
     /// still counts it, so it is ignored until the next poll.
     finished: AtomicU64,
     finished_at_poll: AtomicU64,
+    /// Uncached prompt tokens of our requests sent here that have not shown a first byte: the
+    /// prefill queued ahead of the next one.
+    pending_prefill: AtomicU64,
+    /// The replica's preemption counter at the last poll (`u64::MAX` before the first).
+    preemptions: AtomicU64,
+    /// Registry-clock milliseconds + 1 of the last poll that saw preemptions rise (0: never).
+    preempted_at_ms: AtomicU64,
 }
 
 impl ReplicaHandle {
@@ -68,6 +75,9 @@ impl ReplicaHandle {
             events_live: AtomicBool::new(false),
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
+            pending_prefill: AtomicU64::new(0),
+            preemptions: AtomicU64::new(u64::MAX),
+            preempted_at_ms: AtomicU64::new(0),
         }
     }
 
@@ -94,6 +104,33 @@ impl ReplicaHandle {
             running: reported(&self.running),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
         }
+    }
+}
+
+/// Counts a request's uncached prompt tokens as prefill queued at a replica until its first
+/// byte arrives (`done`) or it ends.
+pub struct PendingPrefill {
+    replica: Arc<ReplicaHandle>,
+    tokens: u64,
+}
+
+impl PendingPrefill {
+    /// Adds `tokens`; returns the guard and the prefill that was already queued ahead.
+    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64) -> (Self, u64) {
+        let ahead = replica.pending_prefill.fetch_add(tokens, Ordering::Relaxed);
+        (PendingPrefill { replica, tokens }, ahead)
+    }
+
+    pub fn done(&mut self) {
+        self.replica
+            .pending_prefill
+            .fetch_sub(std::mem::take(&mut self.tokens), Ordering::Relaxed);
+    }
+}
+
+impl Drop for PendingPrefill {
+    fn drop(&mut self) {
+        self.done();
     }
 }
 
@@ -169,6 +206,24 @@ impl Registry {
                 }
             })
             .collect()
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Replica `slot` as admission sees it; preemptions count as rising for `holdoff` after a
+    /// poll saw the counter grow.
+    pub fn pressure(&self, slot: usize, holdoff: Duration) -> crate::admission::ReplicaPressure {
+        let r = &self.replicas[slot];
+        let l = r.load();
+        let at = r.preempted_at_ms.load(Ordering::Relaxed);
+        crate::admission::ReplicaPressure {
+            running: l.requests(),
+            queued_prefill_tokens: r.pending_prefill.load(Ordering::Relaxed),
+            kv_usage: l.kv_usage,
+            preempting: at > 0 && self.now_ms() + 1 < at + holdoff.as_millis() as u64,
+        }
     }
 
     pub fn healthy_count(&self) -> usize {
@@ -264,6 +319,13 @@ impl Registry {
             .and_then(|x| x.as_f64())
             .unwrap_or(0.0);
         r.kv_usage_bits.store(kv.to_bits(), Ordering::Relaxed);
+        if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
+            let before = r.preemptions.swap(p, Ordering::Relaxed);
+            if before != u64::MAX && p > before {
+                r.preempted_at_ms
+                    .store(self.now_ms() + 1, Ordering::Relaxed);
+            }
+        }
         r.finished_at_poll.store(finished_before, Ordering::Relaxed);
     }
 

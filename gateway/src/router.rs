@@ -1,8 +1,8 @@
 //! From request body to routing decision: parse and validate the OpenAI request, render the chat
 //! template and tokenise (segment cache, on the blocking pool), hash the prompt's blocks with the
 //! protocol crate's one function, ask the prefix index how much of it each replica holds, and
-//! let the policy choose. The same path serves `explain`, which returns every intermediate
-//! value instead of sending the request.
+//! let a route's policy choose. The same path serves `explain`, which returns every
+//! intermediate value instead of sending the request.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,6 +16,7 @@ use protocol::ApiError;
 use serde_json::{json, Value};
 
 use crate::metrics::GatewayMetrics;
+use crate::policy_store::ActiveRoute;
 use crate::registry::Registry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +61,6 @@ pub struct Router {
     segments: SegmentCache,
     pub model: String,
     pub block_size: usize,
-    pub policy: Box<dyn RoutingPolicy>,
     pub registry: Arc<Registry>,
     pub metrics: Arc<GatewayMetrics>,
 }
@@ -70,7 +70,6 @@ impl Router {
         tokenizer: Arc<TextTokenizer>,
         model: String,
         block_size: usize,
-        policy: Box<dyn RoutingPolicy>,
         registry: Arc<Registry>,
         metrics: Arc<GatewayMetrics>,
     ) -> Self {
@@ -80,7 +79,6 @@ impl Router {
             segments,
             model,
             block_size,
-            policy,
             registry,
             metrics,
         }
@@ -163,49 +161,41 @@ impl Router {
         )
     }
 
-    /// Chooses a replica, never one in `exclude` (replicas already tried for this request).
-    pub fn decide(
+    /// Asks `policy` for a replica, never one in `exclude` (outside the route's pool, not
+    /// admissible, or already tried for this request).
+    pub fn decide_in(
         &self,
+        policy: &dyn RoutingPolicy,
         p: &Prepared,
-        exclude: &[usize],
-    ) -> Result<(RouteDecision, Vec<usize>), ApiError> {
-        self.decide_with(p, exclude, false)
-    }
-
-    fn decide_with(
-        &self,
-        p: &Prepared,
+        matched: &[usize],
         exclude: &[usize],
         dry_run: bool,
-    ) -> Result<(RouteDecision, Vec<usize>), ApiError> {
+    ) -> Result<RouteDecision, ApiError> {
         let mut set = self.registry.snapshot();
         for &x in exclude {
             if let Some(r) = set.replicas.get_mut(x) {
                 r.healthy = false;
             }
         }
-        let matched = self.matched(p);
         let req = RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
             block_size: self.block_size,
-            matched_blocks: &matched,
+            matched_blocks: matched,
             session_id: p.session_id.as_deref(),
             dry_run,
         };
-        let d = self
-            .policy
+        policy
             .route(&req, &set)
-            .map_err(|e| ApiError::unavailable(e.to_string()).with_code("no_healthy_replica"))?;
-        Ok((d, matched))
+            .map_err(|e| ApiError::unavailable(e.to_string()).with_code("no_healthy_replica"))
     }
 
     /// Records a decision that will be sent: speculative index insert and metrics.
-    pub fn commit(&self, p: &Prepared, d: &RouteDecision) {
+    pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
         self.registry
             .index
             .record_routed(d.replica, &p.hashes, self.registry.now_s());
-        self.metrics.decision(self.policy.name(), d.reason.label());
+        self.metrics.decision(policy, d.reason.label());
         if let Some(m) = self.metrics.replicas.get(d.replica) {
             m.prompt_tokens.increment(p.prompt_tokens as u64);
             m.predicted_hit_tokens
@@ -214,10 +204,13 @@ impl Router {
     }
 
     /// `POST /admin/route/explain`: the decision and everything behind it, nothing sent.
-    pub fn explain(&self, p: &Prepared) -> Value {
+    pub fn explain(&self, p: &Prepared, route: &ActiveRoute) -> Value {
         let set = self.registry.snapshot();
-        let decision = self.decide_with(p, &[], true);
         let matched = self.matched(p);
+        let outside: Vec<usize> = (0..set.replicas.len())
+            .filter(|i| !route.pool.contains(i))
+            .collect();
+        let decision = self.decide_in(route.policy.as_ref(), p, &matched, &outside, true);
         let replicas: Vec<Value> = set
             .replicas
             .iter()
@@ -226,11 +219,12 @@ impl Router {
                 let score = decision
                     .as_ref()
                     .ok()
-                    .and_then(|(d, _)| d.scores.iter().find(|s| s.replica == i))
+                    .and_then(|d| d.scores.iter().find(|s| s.replica == i))
                     .map(|s| s.cost);
                 json!({
                     "replica": r.name,
                     "healthy": r.healthy,
+                    "in_pool": route.pool.contains(&i),
                     "kv_events": self.registry.replicas[i].events_live(),
                     "matched_blocks": matched[i],
                     "predicted_cached_tokens": matched[i] * self.block_size,
@@ -245,7 +239,8 @@ impl Router {
             })
             .collect();
         json!({
-            "policy": self.policy.name(),
+            "route": route.cfg.name,
+            "policy": route.policy.name(),
             "prompt_tokens": p.prompt_tokens,
             "block_size": self.block_size,
             "blocks_hashed": p.hashes.len(),
@@ -254,7 +249,7 @@ impl Router {
             "tokenize_seconds": p.tokenize_seconds,
             "replicas": replicas,
             "decision": match decision {
-                Ok((d, _)) => json!({
+                Ok(d) => json!({
                     "replica": set.replicas[d.replica].name,
                     "reason": d.reason.label(),
                     "detail": d.reason.to_string(),

@@ -1,16 +1,18 @@
 //! Assembling and running the gateway: tokenizer, prefix index, registry (with its background
-//! health, load and KV-event tasks), policy, the pingora proxy app on the public listener, and a
-//! small hyper admin server (`/metrics`, `/admin/route/explain`, `/admin/replicas`) on its own
-//! listener. Listeners are bound by the caller, so tests can use port 0.
+//! health, load and KV-event tasks), the policy store (reloaded on SIGHUP and when the policy
+//! file changes), the pingora proxy app on the public listener, and a small hyper admin server
+//! (`/metrics`, `/admin/route/explain`, `/admin/replicas`, `/admin/policy`,
+//! `/admin/policy/reload`) on its own listener. Listeners are bound by the caller, so tests can
+//! use port 0.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use config::GatewayConfig;
+use config::{GatewayConfig, PolicyFile, Priority};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -25,6 +27,7 @@ use tokio::sync::watch;
 
 use crate::admission::LatencyModel;
 use crate::metrics::GatewayMetrics;
+use crate::policy_store::PolicyStore;
 use crate::prefix_index::PrefixIndex;
 use crate::proxy::{GatewayProxy, GatewayState};
 use crate::registry::{http_client, Registry};
@@ -36,6 +39,8 @@ pub enum GatewayError {
     Tokenizer(String, String),
     #[error("no tokenizer folder configured or found (model.tokenizer_dir)")]
     NoTokenizer,
+    #[error("policy file {0}: {1}")]
+    Policy(String, String),
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -67,12 +72,11 @@ pub async fn build_gateway(
     // First health check before accepting traffic, so a ready gateway knows its fleet.
     futures::future::join_all(registry.replicas.iter().map(|r| registry.check(r))).await;
     registry.spawn_background();
-    let policy = policies::build(&cfg.policy);
+    let policies = load_policy(&cfg, &metrics)?;
     let router = Router::new(
         Arc::new(tokenizer),
         cfg.model.name.clone(),
         cfg.model.block_size,
-        policy,
         registry.clone(),
         metrics.clone(),
     );
@@ -89,7 +93,9 @@ pub async fn build_gateway(
             .iter()
             .map(|_| parking_lot::Mutex::new(LatencyModel::default()))
             .collect(),
+        policies,
     });
+    spawn_policy_reloaders(&state);
     // Gauges that are cheaper to sample than to maintain.
     let weak = Arc::downgrade(&state);
     tokio::spawn(async move {
@@ -106,6 +112,9 @@ pub async fn build_gateway(
                 rm.in_flight.set(f64::from(r.load().in_flight));
             }
             reg.index.expire(reg.now_s(), s_max_ttl(&cfg_ttls(&s)));
+            for rt in s.policies.runtimes() {
+                rt.stats.tick(rt.now_s());
+            }
             m.upkeep();
         }
     });
@@ -114,6 +123,69 @@ pub async fn build_gateway(
         admin,
         state,
     })
+}
+
+/// The policy file named by the gateway file, or its inline `[policy]` as one catch-all route.
+fn load_policy(
+    cfg: &GatewayConfig,
+    metrics: &Arc<GatewayMetrics>,
+) -> Result<PolicyStore, GatewayError> {
+    let Some(path) = &cfg.policy_file else {
+        return Ok(PolicyStore::new(
+            PolicyFile::single(cfg.policy.clone()),
+            None,
+            None,
+            cfg.replicas.clone(),
+            metrics.clone(),
+        ));
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| GatewayError::Policy(path.clone(), e.to_string()))?;
+    let file = PolicyFile::from_toml(&text, &cfg.replicas)
+        .map_err(|e| GatewayError::Policy(path.clone(), e.to_string()))?;
+    Ok(PolicyStore::new(
+        file,
+        Some(&text),
+        Some(PathBuf::from(path)),
+        cfg.replicas.clone(),
+        metrics.clone(),
+    ))
+}
+
+/// Reloads the policy file when it changes (checked every second) and on SIGHUP.
+fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
+    if state.policies.path().is_none() {
+        return;
+    }
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(s) = weak.upgrade() else { return };
+            let _ = s.policies.reload(false);
+        }
+    });
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let weak = Arc::downgrade(state);
+        match signal(SignalKind::hangup()) {
+            Ok(mut hup) => {
+                tokio::spawn(async move {
+                    while hup.recv().await.is_some() {
+                        let Some(s) = weak.upgrade() else { return };
+                        tracing::info!("SIGHUP: reloading the policy file");
+                        let _ = s.policies.reload(true);
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; the file watcher still reloads")
+            }
+        }
+    }
 }
 
 fn cfg_ttls(s: &GatewayState) -> Vec<u32> {
@@ -193,6 +265,16 @@ impl GatewayServer {
     }
 }
 
+fn names(state: &GatewayState) -> Vec<String> {
+    state
+        .router
+        .registry
+        .replicas
+        .iter()
+        .map(|r| r.name.clone())
+        .collect()
+}
+
 fn json(status: u16, body: String) -> Response<Full<Bytes>> {
     Response::builder()
         .status(status)
@@ -221,8 +303,14 @@ async fn admin_handle(
                     let l = r.load();
                     let model = state.models[r.slot].lock().clone();
                     let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+                    let pressure = reg.pressure(
+                        r.slot,
+                        Duration::from_millis(state.policies.load().file.preemption_holdoff_ms),
+                    );
                     serde_json::json!({
                         "name": r.name,
+                        "pending_prefill_tokens": pressure.queued_prefill_tokens,
+                        "preempting": pressure.preempting,
                         "address": r.addr().map(|a| a.to_string()),
                         "healthy": r.is_healthy(),
                         "kv_events": r.events_live(),
@@ -240,12 +328,30 @@ async fn admin_handle(
                 .collect();
             json(200, serde_json::Value::Array(v).to_string())
         }
+        ("GET", "/admin/policy") => json(200, state.policies.describe(&names(&state)).to_string()),
+        ("POST", "/admin/policy/reload") => match state.policies.reload(true) {
+            Ok(_) => json(200, state.policies.describe(&names(&state)).to_string()),
+            Err(e) => {
+                let mut err =
+                    ApiError::invalid_request(e.message.clone()).with_code("policy_rejected");
+                if let Some(f) = e.fields.first() {
+                    err = err.with_param(&f.field);
+                }
+                json(400, err.to_json())
+            }
+        },
         ("POST", "/admin/route/explain") => {
             let session = req
                 .headers()
                 .get(state.session_header.as_str())
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
+            let priority = req
+                .headers()
+                .get(Priority::HEADER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(Priority::parse)
+                .unwrap_or_default();
             let limit = state.max_body_bytes;
             match Limited::new(req.into_body(), limit).collect().await {
                 Err(_) => {
@@ -259,7 +365,11 @@ async fn admin_handle(
                         _ => Endpoint::Completions,
                     };
                     match state.prepare(endpoint, body, session).await {
-                        Ok(p) => json(200, state.router.explain(&p).to_string()),
+                        Ok(p) => {
+                            let active = state.policies.load();
+                            let route = active.route(p.prompt_tokens, priority);
+                            json(200, state.router.explain(&p, route).to_string())
+                        }
                         Err(e) => json(e.status, e.to_json()),
                     }
                 }

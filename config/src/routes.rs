@@ -1,0 +1,442 @@
+//! The policy file (`config/policy.toml`): what the operator tunes while the gateway runs —
+//! routes with their match rules, replica pools, routing policy, limits, queue and latency
+//! promise (SLO), plus the admission thresholds. The gateway reloads it on SIGHUP and when the
+//! file changes; [`PolicyFile::from_toml`] validates everything first, so a bad edit is
+//! rejected whole with `field / value / reason` errors and the running policy stays.
+//!
+//! ```toml
+//! [policy]
+//! kind = "prefix_aware"
+//!
+//! [[routes]]
+//! name = "long"
+//! min_prompt_tokens = 8192
+//! max_concurrency = 2
+//! slo = { ttft_ms = 10000, itl_ms = 80 }
+//!
+//! [[routes]]
+//! name = "interactive"
+//! slo = { ttft_ms = 1000, itl_ms = 50 }
+//! ```
+//!
+//! A request takes the first route whose rules all hold; the last route must have no rules, so
+//! every request has one.
+
+use std::fmt;
+
+use serde::Deserialize;
+
+use crate::error::{ConfigError, Validator};
+use crate::policy::PolicyConfig;
+
+/// The `x-kvgate-priority` classes; interactive when the header is absent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    #[default]
+    Interactive,
+    Batch,
+}
+
+impl Priority {
+    pub const HEADER: &'static str = "x-kvgate-priority";
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "interactive" => Some(Priority::Interactive),
+            "batch" => Some(Priority::Batch),
+            _ => None,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        }
+    }
+
+    /// Queue order: lower first.
+    pub fn rank(self) -> i32 {
+        match self {
+            Priority::Interactive => 0,
+            Priority::Batch => 1,
+        }
+    }
+}
+
+/// A replica in a route's pool: its `host:port` as listed in the gateway file, or its index
+/// in that list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum PoolEntry {
+    Index(usize),
+    Name(String),
+}
+
+impl fmt::Display for PoolEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolEntry::Index(i) => write!(f, "{i}"),
+            PoolEntry::Name(n) => write!(f, "{n:?}"),
+        }
+    }
+}
+
+/// p95 latency targets; an absent field is no promise on that timer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SloConfig {
+    pub ttft_ms: Option<u64>,
+    pub itl_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Metrics label and `x-kvgate-route` value.
+    pub name: String,
+    /// Rule: the prompt has at least this many tokens.
+    #[serde(default)]
+    pub min_prompt_tokens: Option<usize>,
+    /// Rule: the request's `x-kvgate-priority` class.
+    #[serde(default)]
+    pub priority: Option<Priority>,
+    /// Replicas this route may use (empty: all). Pools may overlap.
+    #[serde(default)]
+    pub pool: Vec<PoolEntry>,
+    /// Routing policy among the pool's admissible replicas (default: the file's `[policy]`).
+    #[serde(default)]
+    pub policy: Option<PolicyConfig>,
+    /// Requests of this route in flight at once (none: unlimited).
+    #[serde(default)]
+    pub max_concurrency: Option<u32>,
+    /// Prompt tokens of this route's in-flight requests (none: unlimited).
+    #[serde(default)]
+    pub max_prompt_tokens_in_flight: Option<u64>,
+    /// Requests waiting for admission; beyond it they are shed at once.
+    #[serde(default = "default_queue_size")]
+    pub queue_size: usize,
+    /// Longest wait in the queue (a TTFT promise may shed sooner).
+    #[serde(default = "default_queue_timeout")]
+    pub queue_timeout_ms: u64,
+    #[serde(default)]
+    pub slo: SloConfig,
+    /// false: dispatch at once without SLO, queue or leading-indicator checks (limits still
+    /// apply). For comparisons; production routes keep it on.
+    #[serde(default = "default_true")]
+    pub admission: bool,
+}
+
+impl RouteConfig {
+    /// A route with no rules, limits or promise over every replica.
+    pub fn catch_all(name: &str) -> Self {
+        RouteConfig {
+            name: name.into(),
+            min_prompt_tokens: None,
+            priority: None,
+            pool: Vec::new(),
+            policy: None,
+            max_concurrency: None,
+            max_prompt_tokens_in_flight: None,
+            queue_size: default_queue_size(),
+            queue_timeout_ms: default_queue_timeout(),
+            slo: SloConfig::default(),
+            admission: true,
+        }
+    }
+
+    /// Whether a request with `prompt_tokens` tokens and `priority` takes this route.
+    pub fn matches(&self, prompt_tokens: usize, priority: Priority) -> bool {
+        self.min_prompt_tokens.is_none_or(|m| prompt_tokens >= m)
+            && self.priority.is_none_or(|p| p == priority)
+    }
+
+    fn has_rules(&self) -> bool {
+        self.min_prompt_tokens.is_some() || self.priority.is_some()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyFile {
+    /// Shown by `GET /admin/policy`; a hash of the text when absent.
+    #[serde(default)]
+    pub version: Option<String>,
+    /// A replica whose KV usage is above this gets no new request.
+    #[serde(default = "default_kv_high_water")]
+    pub kv_high_water: f64,
+    /// After a replica reports new preemptions, it gets no new request for this long.
+    #[serde(default = "default_preemption_holdoff")]
+    pub preemption_holdoff_ms: u64,
+    /// The routing policy of routes that name none.
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    /// In match order; none: one catch-all route `default`.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+fn default_queue_size() -> usize {
+    256
+}
+fn default_queue_timeout() -> u64 {
+    5_000
+}
+fn default_true() -> bool {
+    true
+}
+fn default_kv_high_water() -> f64 {
+    0.95
+}
+fn default_preemption_holdoff() -> u64 {
+    2_000
+}
+
+impl PolicyFile {
+    /// A file with one catch-all route using `policy` and no promise.
+    pub fn single(policy: PolicyConfig) -> Self {
+        PolicyFile {
+            version: None,
+            kv_high_water: default_kv_high_water(),
+            preemption_holdoff_ms: default_preemption_holdoff(),
+            policy,
+            routes: vec![RouteConfig::catch_all("default")],
+        }
+    }
+
+    /// Parses and validates; `replicas` is the gateway's replica list, which pools name.
+    pub fn from_toml(text: &str, replicas: &[String]) -> Result<Self, ConfigError> {
+        let mut f: PolicyFile =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        if f.routes.is_empty() {
+            f.routes.push(RouteConfig::catch_all("default"));
+        }
+        f.validate(replicas)?;
+        Ok(f)
+    }
+
+    /// The route a request takes (validation guarantees one matches).
+    pub fn classify(&self, prompt_tokens: usize, priority: Priority) -> usize {
+        self.routes
+            .iter()
+            .position(|r| r.matches(prompt_tokens, priority))
+            .unwrap_or(self.routes.len() - 1)
+    }
+
+    /// Indices into `replicas` of route `i`'s pool.
+    pub fn pool(&self, i: usize, replicas: &[String]) -> Vec<usize> {
+        let r = &self.routes[i];
+        if r.pool.is_empty() {
+            return (0..replicas.len()).collect();
+        }
+        let mut out: Vec<usize> = r
+            .pool
+            .iter()
+            .filter_map(|e| match e {
+                PoolEntry::Index(i) => (*i < replicas.len()).then_some(*i),
+                PoolEntry::Name(n) => replicas.iter().position(|x| x == n),
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    pub fn validate(&self, replicas: &[String]) -> Result<(), ConfigError> {
+        let mut v = Validator::new();
+        v.check(
+            self.kv_high_water.is_finite() && self.kv_high_water > 0.0 && self.kv_high_water <= 1.0,
+            "kv_high_water",
+            self.kv_high_water,
+            "must be in (0, 1]",
+        );
+        v.check(
+            !self.routes.is_empty(),
+            "routes",
+            "[]",
+            "list at least one route",
+        );
+        if let Some(last) = self.routes.last() {
+            v.check(
+                !last.has_rules(),
+                &format!("routes[{}]", self.routes.len() - 1),
+                format!("{:?}", last.name),
+                "the last route must have no rules (min_prompt_tokens, priority) so every request has a route",
+            );
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            let f = |name: &str| format!("routes[{i}].{name}");
+            v.check(
+                !r.name.is_empty()
+                    && r.name.len() <= 64
+                    && r.name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'),
+                &f("name"),
+                format!("{:?}", r.name),
+                "must be 1-64 letters, digits, '_' or '-'",
+            );
+            v.check(
+                !self.routes[..i].iter().any(|o| o.name == r.name),
+                &f("name"),
+                format!("{:?}", r.name),
+                "route names must be unique",
+            );
+            for (j, e) in r.pool.iter().enumerate() {
+                let known = match e {
+                    PoolEntry::Index(x) => *x < replicas.len(),
+                    PoolEntry::Name(n) => replicas.contains(n),
+                };
+                v.check(
+                    known,
+                    &format!("routes[{i}].pool[{j}]"),
+                    e,
+                    "not one of the gateway's replicas (give host:port as listed there, or its index)",
+                );
+            }
+            v.check(
+                r.max_concurrency != Some(0),
+                &f("max_concurrency"),
+                0,
+                "must be at least 1 (omit it for no limit)",
+            );
+            v.check(
+                r.max_prompt_tokens_in_flight != Some(0),
+                &f("max_prompt_tokens_in_flight"),
+                0,
+                "must be at least 1 (omit it for no limit)",
+            );
+            v.check(
+                r.queue_size <= 1_000_000,
+                &f("queue_size"),
+                r.queue_size,
+                "must be at most 1000000",
+            );
+            v.check(
+                r.queue_timeout_ms <= 3_600_000,
+                &f("queue_timeout_ms"),
+                r.queue_timeout_ms,
+                "must be at most 3600000 (one hour)",
+            );
+            for (name, x) in [("slo.ttft_ms", r.slo.ttft_ms), ("slo.itl_ms", r.slo.itl_ms)] {
+                v.check(
+                    x != Some(0),
+                    &f(name),
+                    0,
+                    "must be at least 1 (omit it for no promise)",
+                );
+            }
+            if let Some(p) = &r.policy {
+                if let Err(ConfigError::Invalid(errs)) = p.validate(&f("policy")) {
+                    for e in errs {
+                        v.check(false, &e.field, e.value, &e.reason);
+                    }
+                }
+            }
+        }
+        if let Err(ConfigError::Invalid(errs)) = self.policy.validate("policy") {
+            for e in errs {
+                v.check(false, &e.field, e.value, &e.reason);
+            }
+        }
+        v.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replicas() -> Vec<String> {
+        (1..=4).map(|i| format!("127.0.0.1:800{i}")).collect()
+    }
+
+    const FILE: &str = r#"
+version = "t1"
+[policy]
+kind = "prefix_aware"
+
+[[routes]]
+name = "long"
+min_prompt_tokens = 8192
+pool = ["127.0.0.1:8004", 2]
+max_concurrency = 2
+slo = { ttft_ms = 10000, itl_ms = 80 }
+[routes.policy]
+kind = "least_load"
+
+[[routes]]
+name = "batch"
+priority = "batch"
+
+[[routes]]
+name = "interactive"
+slo = { ttft_ms = 1000, itl_ms = 50 }
+"#;
+
+    #[test]
+    fn classifies_by_length_then_priority() {
+        let f = PolicyFile::from_toml(FILE, &replicas()).unwrap();
+        assert_eq!(f.classify(10_000, Priority::Batch), 0);
+        assert_eq!(f.classify(100, Priority::Batch), 1);
+        assert_eq!(f.classify(100, Priority::Interactive), 2);
+        assert_eq!(f.pool(0, &replicas()), vec![2, 3]);
+        assert_eq!(f.pool(2, &replicas()), vec![0, 1, 2, 3]);
+        assert_eq!(f.routes[0].policy.as_ref().unwrap().kind(), "least_load");
+        assert_eq!(f.routes[2].slo.itl_ms, Some(50));
+        assert_eq!(f.routes[1].queue_size, 256);
+    }
+
+    #[test]
+    fn empty_file_is_one_catch_all_route() {
+        let f = PolicyFile::from_toml("", &replicas()).unwrap();
+        assert_eq!(f.routes.len(), 1);
+        assert_eq!(f.routes[0].name, "default");
+        assert_eq!(f.classify(1 << 20, Priority::Batch), 0);
+    }
+
+    #[test]
+    fn reports_every_problem_with_field_value_reason() {
+        let bad = r#"
+kv_high_water = 1.5
+[[routes]]
+name = "long"
+min_prompt_tokens = 8192
+pool = ["10.0.0.9:8000", 7]
+max_concurrency = 0
+slo = { ttft_ms = 0 }
+[routes.policy]
+kind = "consistent_hash"
+load_factor = 0.5
+
+[[routes]]
+name = "long"
+priority = "batch"
+"#;
+        let e = PolicyFile::from_toml(bad, &replicas())
+            .unwrap_err()
+            .to_string();
+        for needle in [
+            "kv_high_water = 1.5: must be in (0, 1]",
+            "routes[1] = \"long\": the last route must have no rules",
+            "routes[0].pool[0] = \"10.0.0.9:8000\": not one of the gateway's replicas",
+            "routes[0].pool[1] = 7",
+            "routes[0].max_concurrency = 0",
+            "routes[0].slo.ttft_ms = 0",
+            "routes[0].policy.load_factor = 0.5",
+            "routes[1].name = \"long\": route names must be unique",
+        ] {
+            assert!(e.contains(needle), "{needle} in {e}");
+        }
+        assert!(matches!(
+            PolicyFile::from_toml("[[routes]]\nname = \"x\"\nbogus = 1", &replicas()),
+            Err(ConfigError::Parse(_))
+        ));
+        assert!(PolicyFile::from_toml(
+            "[[routes]]\nname = \"x\"\npriority = \"urgent\"",
+            &replicas()
+        )
+        .is_err());
+    }
+}

@@ -1,0 +1,348 @@
+//! Admission in the request path. A classified request is dispatched only when its route has
+//! room (concurrency, prompt-token budget) and at least one replica of the route's pool is
+//! admissible for it (`admission::admissible`: predicted TTFT and inter-token gap within the
+//! promise, no KV high-water, no fresh preemptions); the route's policy then picks among the
+//! admissible replicas, so cache affinity and admission compose. Otherwise the request waits
+//! in the route's queue — only the head tries, so waiting is first come, first served within a
+//! priority — and is shed with 429 as soon as its TTFT deadline can no longer be met, its wait
+//! reaches the route's queue timeout, or it finds the queue full.
+//!
+//! Waiters wake when a request of the route finishes or leaves the queue, and every 20 ms
+//! otherwise (load reports and learnt models change without an event).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use config::Priority;
+use policies::RouteDecision;
+use protocol::ApiError;
+use tokio::sync::Notify;
+
+use crate::admission::{admissible, AdmissionQueue, Clock, Shed, Slo, SystemClock, Ticket};
+use crate::goodput::RouteStats;
+use crate::metrics::GatewayMetrics;
+use crate::policy_store::{ActivePolicy, ActiveRoute};
+use crate::proxy::GatewayState;
+use crate::router::Prepared;
+
+/// How often a waiter re-checks without being woken.
+const RECHECK: Duration = Duration::from_millis(20);
+
+/// A route's live state, kept across policy reloads by route name.
+pub struct RouteRuntime {
+    pub name: String,
+    pub queue: AdmissionQueue,
+    in_flight: AtomicU32,
+    in_flight_tokens: AtomicU64,
+    notify: Notify,
+    pub stats: RouteStats,
+    clock: SystemClock,
+}
+
+impl RouteRuntime {
+    pub fn new(name: &str, metrics: Arc<GatewayMetrics>) -> Self {
+        RouteRuntime {
+            name: name.to_string(),
+            queue: AdmissionQueue::new(0),
+            in_flight: AtomicU32::new(0),
+            in_flight_tokens: AtomicU64::new(0),
+            notify: Notify::new(),
+            stats: RouteStats::new(metrics, name),
+            clock: SystemClock::default(),
+        }
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn in_flight_tokens(&self) -> u64 {
+        self.in_flight_tokens.load(Ordering::Relaxed)
+    }
+
+    pub fn now(&self) -> Duration {
+        self.clock.now()
+    }
+
+    pub fn now_s(&self) -> u64 {
+        self.clock.now().as_secs()
+    }
+
+    fn wake(&self) {
+        self.notify.notify_waiters();
+    }
+
+    fn update_gauges(&self) {
+        self.stats.in_flight.set(f64::from(self.in_flight()));
+        self.stats.queued.set(self.queue.len() as f64);
+    }
+}
+
+/// A dispatched request's share of its route's limits, released (and the queue woken) when
+/// the request ends.
+pub struct Admitted {
+    rt: Arc<RouteRuntime>,
+    tokens: u64,
+    pub decision: RouteDecision,
+    /// Blocks of the prompt the index believed cached at each replica.
+    pub matched: Vec<usize>,
+    pub queued: Duration,
+}
+
+impl Admitted {
+    fn new(
+        rt: Arc<RouteRuntime>,
+        tokens: u64,
+        decision: RouteDecision,
+        matched: Vec<usize>,
+        queued: Duration,
+    ) -> Self {
+        rt.in_flight.fetch_add(1, Ordering::Relaxed);
+        rt.in_flight_tokens.fetch_add(tokens, Ordering::Relaxed);
+        rt.stats.queue_seconds.record(queued.as_secs_f64());
+        rt.update_gauges();
+        Admitted {
+            rt,
+            tokens,
+            decision,
+            matched,
+            queued,
+        }
+    }
+
+    pub fn route(&self) -> &Arc<RouteRuntime> {
+        &self.rt
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.rt.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.rt
+            .in_flight_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.rt.update_gauges();
+        self.rt.wake();
+    }
+}
+
+/// A place in the queue, given up when dropped (dispatched, shed, or the client went away).
+struct QueuePlace {
+    rt: Arc<RouteRuntime>,
+    ticket: Ticket,
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        self.rt.queue.remove(self.ticket);
+        self.rt.update_gauges();
+        self.rt.wake();
+    }
+}
+
+/// Why a request was not dispatched.
+pub enum Refusal {
+    /// 429 with Retry-After.
+    Shed(Shed),
+    /// Nothing to wait for (no healthy replica in the pool).
+    Error(ApiError),
+}
+
+enum Wait {
+    Hold(&'static str),
+    Fail(ApiError),
+}
+
+impl GatewayState {
+    /// Uncached prompt tokens of `p` at replica `i`.
+    fn uncached(&self, p: &Prepared, matched: &[usize], i: usize) -> u64 {
+        p.prompt_tokens
+            .saturating_sub(matched[i] * self.router.block_size) as u64
+    }
+
+    /// One attempt to place `p` now.
+    fn try_dispatch(
+        &self,
+        a: &ActivePolicy,
+        route: &ActiveRoute,
+        p: &Prepared,
+        waited: Duration,
+    ) -> Result<(RouteDecision, Vec<usize>), Wait> {
+        let (cfg, rt) = (&route.cfg, &route.rt);
+        if cfg.max_concurrency.is_some_and(|m| rt.in_flight() >= m) {
+            return Err(Wait::Hold("concurrency"));
+        }
+        // A single request larger than the whole budget still goes, alone.
+        if cfg.max_prompt_tokens_in_flight.is_some_and(|b| {
+            rt.in_flight() > 0 && rt.in_flight_tokens() + p.prompt_tokens as u64 > b
+        }) {
+            return Err(Wait::Hold("token_budget"));
+        }
+        let registry = &self.router.registry;
+        let matched = self.router.matched(p);
+        let mut exclude: Vec<usize> = (0..registry.replicas.len())
+            .filter(|i| !route.pool.contains(i))
+            .collect();
+        let mut hold: Option<&'static str> = None;
+        if cfg.admission {
+            let slo = Slo {
+                ttft: route.slo.ttft.map(|t| t.saturating_sub(waited)),
+                itl: route.slo.itl,
+            };
+            let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
+            for &i in &route.pool {
+                if !registry.replicas[i].is_healthy() {
+                    continue;
+                }
+                let pressure = registry.pressure(i, holdoff);
+                let verdict = admissible(
+                    &self.models[i].lock(),
+                    &pressure,
+                    self.uncached(p, &matched, i),
+                    &slo,
+                    a.file.kv_high_water,
+                );
+                if let Err(h) = verdict {
+                    exclude.push(i);
+                    hold.get_or_insert(h.label());
+                }
+            }
+        }
+        match self
+            .router
+            .decide_in(route.policy.as_ref(), p, &matched, &exclude, false)
+        {
+            Ok(d) => Ok((d, matched)),
+            Err(e) => match hold {
+                Some(h) => Err(Wait::Hold(h)),
+                None => Err(Wait::Fail(e)),
+            },
+        }
+    }
+
+    /// Fleet prefill rate of the route's pool as learnt (tokens/s), for Retry-After.
+    fn pool_prefill_rate(&self, route: &ActiveRoute) -> Option<f64> {
+        let rates: Vec<f64> = route
+            .pool
+            .iter()
+            .filter_map(|&i| self.models[i].lock().prefill_rate())
+            .collect();
+        (!rates.is_empty()).then(|| rates.iter().sum())
+    }
+
+    /// Whether even the best replica of the pool, idle, could no longer answer within the TTFT
+    /// promise.
+    fn deadline_gone(&self, route: &ActiveRoute, p: &Prepared, waited: Duration) -> bool {
+        let Some(target) = route.slo.ttft else {
+            return false;
+        };
+        if !route.cfg.admission {
+            return false;
+        }
+        let matched = self.router.matched(p);
+        let best = route
+            .pool
+            .iter()
+            .filter(|&&i| self.router.registry.replicas[i].is_healthy())
+            .map(|&i| {
+                self.models[i]
+                    .lock()
+                    .predict_ttft(0, self.uncached(p, &matched, i))
+                    .unwrap_or(Duration::ZERO)
+            })
+            .min()
+            .unwrap_or(Duration::ZERO);
+        waited + best > target
+    }
+
+    /// Dispatches `p` on `route` now or after a wait in its queue, or refuses it.
+    pub async fn admit(
+        &self,
+        a: &ActivePolicy,
+        route: &ActiveRoute,
+        p: &Prepared,
+        priority: Priority,
+        arrived: Instant,
+    ) -> Result<Admitted, Refusal> {
+        let rt = &route.rt;
+        let timeout = Duration::from_millis(route.cfg.queue_timeout_ms);
+        let patience = match route.slo.ttft {
+            Some(t) if route.cfg.admission => t.min(timeout),
+            _ => timeout,
+        };
+        let deadline_key = (rt.now() + patience).saturating_sub(arrived.elapsed());
+        let mut place: Option<QueuePlace> = None;
+        loop {
+            let notified = rt.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let waited = arrived.elapsed();
+            let my_turn = match &place {
+                None => rt.queue.is_empty(),
+                Some(q) => rt.queue.head() == Some(q.ticket),
+            };
+            if my_turn {
+                match self.try_dispatch(a, route, p, waited) {
+                    Ok((d, matched)) => {
+                        drop(place);
+                        return Ok(Admitted::new(
+                            rt.clone(),
+                            p.prompt_tokens as u64,
+                            d,
+                            matched,
+                            waited,
+                        ));
+                    }
+                    Err(Wait::Fail(e)) => return Err(Refusal::Error(e)),
+                    Err(Wait::Hold(reason)) if place.is_none() => rt.stats.held(reason),
+                    Err(Wait::Hold(_)) => {}
+                }
+            } else if place.is_none() {
+                rt.stats.held("queue_order");
+            }
+            let retry = || rt.queue.retry_after(self.pool_prefill_rate(route));
+            if place.is_none() {
+                match rt.queue.push(
+                    priority.rank(),
+                    deadline_key,
+                    p.prompt_tokens as u64,
+                    self.pool_prefill_rate(route),
+                ) {
+                    Ok(ticket) => {
+                        place = Some(QueuePlace {
+                            rt: rt.clone(),
+                            ticket,
+                        });
+                        rt.update_gauges();
+                    }
+                    Err(shed) => {
+                        rt.stats.shed(rt.now_s(), shed.label());
+                        return Err(Refusal::Shed(shed));
+                    }
+                }
+            }
+            let shed = if waited >= timeout {
+                Some(Shed::Timeout {
+                    retry_after: retry(),
+                })
+            } else if self.deadline_gone(route, p, waited) {
+                Some(Shed::DeadlineGone {
+                    retry_after: retry(),
+                })
+            } else {
+                None
+            };
+            if let Some(shed) = shed {
+                drop(place);
+                rt.stats.shed(rt.now_s(), shed.label());
+                return Err(Refusal::Shed(shed));
+            }
+            let nap = RECHECK.min(timeout.saturating_sub(waited));
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(nap) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! Goodput accounting per route: a finished request is *good* when its TTFT and the p95 of its
+//! inter-token gaps both met the route's promise (a timer without a promise always meets it).
+//! Counters for requests and output tokens (good and all), violations by kind, sheds by reason,
+//! the queue-time histogram, the route's timers, and `kvgate_gateway_goodput_ratio`: good
+//! requests over everything the route was asked in the last minute — finished or shed, since a
+//! shed request did not get the promise either.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Histogram};
+use parking_lot::Mutex;
+
+use crate::admission::Slo;
+use crate::metrics::GatewayMetrics;
+
+/// What one finished request measured, as the relay saw it.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub ttft: Option<Duration>,
+    pub gaps: Vec<Duration>,
+    /// End to end, for answers that are not streamed (one chunk).
+    pub e2e: Duration,
+    pub output_tokens: u64,
+    pub stream: bool,
+}
+
+/// Which promises a request kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    pub ttft_met: bool,
+    pub itl_met: bool,
+}
+
+impl Verdict {
+    pub fn good(self) -> bool {
+        self.ttft_met && self.itl_met
+    }
+}
+
+/// The p95 (nearest rank) of a request's gaps.
+fn p95(gaps: &[Duration]) -> Option<Duration> {
+    if gaps.is_empty() {
+        return None;
+    }
+    let mut v = gaps.to_vec();
+    v.sort_unstable();
+    let rank = ((v.len() as f64) * 0.95).ceil() as usize;
+    Some(v[rank.clamp(1, v.len()) - 1])
+}
+
+/// Judges an outcome against a promise. An answer that is not streamed shows no token times:
+/// it is judged by its end-to-end time against TTFT plus one inter-token gap per further token.
+pub fn judge(o: &Outcome, slo: &Slo) -> Verdict {
+    if !o.stream {
+        let budget = slo.ttft.map(|t| {
+            t + slo.itl.unwrap_or(Duration::ZERO) * o.output_tokens.saturating_sub(1) as u32
+        });
+        let met = budget.is_none_or(|b| o.e2e <= b);
+        return Verdict {
+            ttft_met: met,
+            itl_met: slo.itl.is_none() || met,
+        };
+    }
+    Verdict {
+        ttft_met: match (slo.ttft, o.ttft) {
+            (None, _) => true,
+            (Some(t), Some(x)) => x <= t,
+            (Some(_), None) => false,
+        },
+        itl_met: match (slo.itl, p95(&o.gaps)) {
+            (Some(t), Some(x)) => x <= t,
+            _ => true,
+        },
+    }
+}
+
+/// Good and total counts per second over the last minute.
+#[derive(Debug, Default)]
+pub struct Window {
+    slots: VecDeque<(u64, u64, u64)>,
+}
+
+impl Window {
+    const SECONDS: u64 = 60;
+
+    fn slot(&mut self, now_s: u64) -> &mut (u64, u64, u64) {
+        while self
+            .slots
+            .front()
+            .is_some_and(|s| s.0 + Self::SECONDS <= now_s)
+        {
+            self.slots.pop_front();
+        }
+        if self.slots.back().is_none_or(|s| s.0 != now_s) {
+            self.slots.push_back((now_s, 0, 0));
+        }
+        self.slots.back_mut().expect("just pushed")
+    }
+
+    pub fn add(&mut self, now_s: u64, good: bool) {
+        let s = self.slot(now_s);
+        s.1 += u64::from(good);
+        s.2 += 1;
+    }
+
+    /// Good / total over the window; `None` when the route saw nothing.
+    pub fn ratio(&mut self, now_s: u64) -> Option<f64> {
+        self.slot(now_s);
+        let (g, t) = self
+            .slots
+            .iter()
+            .fold((0, 0), |(g, t), s| (g + s.1, t + s.2));
+        (t > 0).then(|| g as f64 / t as f64)
+    }
+}
+
+/// One route's metric handles and its goodput window.
+pub struct RouteStats {
+    pub requests: Counter,
+    pub good_requests: Counter,
+    pub output_tokens: Counter,
+    pub good_output_tokens: Counter,
+    pub ttft_violations: Counter,
+    pub itl_violations: Counter,
+    pub queue_seconds: Histogram,
+    pub ttft_seconds: Histogram,
+    pub inter_token_seconds: Histogram,
+    pub e2e_seconds: Histogram,
+    pub goodput_ratio: Gauge,
+    pub in_flight: Gauge,
+    pub queued: Gauge,
+    metrics: std::sync::Arc<GatewayMetrics>,
+    route: String,
+    window: Mutex<Window>,
+}
+
+impl RouteStats {
+    pub fn new(metrics: std::sync::Arc<GatewayMetrics>, route: &str) -> Self {
+        let m = &metrics;
+        RouteStats {
+            requests: m.route_counter("kvgate_gateway_route_requests_total", route, &[]),
+            good_requests: m.route_counter("kvgate_gateway_good_requests_total", route, &[]),
+            output_tokens: m.route_counter("kvgate_gateway_route_output_tokens_total", route, &[]),
+            good_output_tokens: m.route_counter(
+                "kvgate_gateway_good_output_tokens_total",
+                route,
+                &[],
+            ),
+            ttft_violations: m.route_counter(
+                "kvgate_gateway_slo_violations_total",
+                route,
+                &[("kind", "ttft")],
+            ),
+            itl_violations: m.route_counter(
+                "kvgate_gateway_slo_violations_total",
+                route,
+                &[("kind", "itl")],
+            ),
+            queue_seconds: m.route_histogram("kvgate_gateway_queue_seconds", route),
+            ttft_seconds: m.route_histogram("kvgate_gateway_ttft_seconds", route),
+            inter_token_seconds: m.route_histogram("kvgate_gateway_inter_token_seconds", route),
+            e2e_seconds: m.route_histogram("kvgate_gateway_e2e_seconds", route),
+            goodput_ratio: m.route_gauge("kvgate_gateway_goodput_ratio", route),
+            in_flight: m.route_gauge("kvgate_gateway_route_in_flight", route),
+            queued: m.route_gauge("kvgate_gateway_route_queue_depth", route),
+            metrics: metrics.clone(),
+            route: route.to_string(),
+            window: Mutex::new(Window::default()),
+        }
+    }
+
+    /// Records a finished request; returns its verdict.
+    pub fn finished(&self, now_s: u64, o: &Outcome, slo: &Slo) -> Verdict {
+        let v = judge(o, slo);
+        self.requests.increment(1);
+        self.output_tokens.increment(o.output_tokens);
+        if v.good() {
+            self.good_requests.increment(1);
+            self.good_output_tokens.increment(o.output_tokens);
+        }
+        if !v.ttft_met {
+            self.ttft_violations.increment(1);
+        }
+        if !v.itl_met {
+            self.itl_violations.increment(1);
+        }
+        let mut w = self.window.lock();
+        w.add(now_s, v.good());
+        self.goodput_ratio.set(w.ratio(now_s).unwrap_or(1.0));
+        v
+    }
+
+    /// Records a request answered with 429, and why.
+    pub fn shed(&self, now_s: u64, reason: &'static str) {
+        self.metrics
+            .route_counter(
+                "kvgate_gateway_shed_total",
+                &self.route,
+                &[("reason", reason)],
+            )
+            .increment(1);
+        let mut w = self.window.lock();
+        w.add(now_s, false);
+        self.goodput_ratio.set(w.ratio(now_s).unwrap_or(1.0));
+    }
+
+    /// Records why a request had to wait (the first hold it met).
+    pub fn held(&self, reason: &'static str) {
+        self.metrics
+            .route_counter(
+                "kvgate_gateway_admission_holds_total",
+                &self.route,
+                &[("reason", reason)],
+            )
+            .increment(1);
+    }
+
+    /// Refreshes the ratio so it decays when traffic stops; 1 when the route saw nothing.
+    pub fn tick(&self, now_s: u64) -> Option<f64> {
+        let r = self.window.lock().ratio(now_s);
+        self.goodput_ratio.set(r.unwrap_or(1.0));
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn slo() -> Slo {
+        Slo {
+            ttft: Some(1000 * MS),
+            itl: Some(50 * MS),
+        }
+    }
+
+    fn streamed(ttft_ms: u32, gaps_ms: &[u32]) -> Outcome {
+        Outcome {
+            ttft: Some(ttft_ms * MS),
+            gaps: gaps_ms.iter().map(|&g| g * MS).collect(),
+            e2e: Duration::ZERO,
+            output_tokens: gaps_ms.len() as u64 + 1,
+            stream: true,
+        }
+    }
+
+    #[test]
+    fn judges_each_timer_against_its_promise() {
+        let ok = judge(&streamed(900, &[40; 40]), &slo());
+        assert!(ok.good());
+        let slow_start = judge(&streamed(1100, &[40; 40]), &slo());
+        assert_eq!(
+            slow_start,
+            Verdict {
+                ttft_met: false,
+                itl_met: true
+            }
+        );
+        // One slow gap in 40 is under the p95; three are not (nearest rank 38 of 40).
+        let mut gaps = vec![40; 39];
+        gaps.push(400);
+        assert!(judge(&streamed(100, &gaps), &slo()).itl_met);
+        let mut gaps = vec![40; 37];
+        gaps.extend([400, 400, 400]);
+        assert!(!judge(&streamed(100, &gaps), &slo()).itl_met);
+        // No promise: always met.
+        let none = Slo {
+            ttft: None,
+            itl: None,
+        };
+        assert!(judge(&streamed(60_000, &[5_000]), &none).good());
+    }
+
+    #[test]
+    fn unstreamed_answers_are_judged_end_to_end() {
+        let o = Outcome {
+            ttft: Some(2000 * MS),
+            gaps: vec![],
+            e2e: 2000 * MS,
+            output_tokens: 21,
+            stream: false,
+        };
+        // Budget: 1 s + 20 × 50 ms = 2 s.
+        assert!(judge(&o, &slo()).good());
+        let late = Outcome {
+            e2e: 2001 * MS,
+            ..o
+        };
+        assert!(!judge(&late, &slo()).good());
+    }
+
+    #[test]
+    fn window_forgets_after_a_minute() {
+        let mut w = Window::default();
+        assert_eq!(w.ratio(0), None);
+        w.add(0, true);
+        w.add(1, false);
+        w.add(1, true);
+        assert!((w.ratio(1).unwrap() - 2.0 / 3.0).abs() < 1e-9);
+        assert!((w.ratio(60).unwrap() - 0.5).abs() < 1e-9);
+        assert_eq!(w.ratio(61), None);
+    }
+}

@@ -1,0 +1,290 @@
+//! The active policy and its hot reload. A [`PolicyStore`] holds the validated policy file
+//! turned into routes (each with its built routing policy, pool and runtime), behind an
+//! `ArcSwap`: a request loads the current `Arc` once and keeps it to the end, so a reload never
+//! changes the rules under a request in flight. A reload reads the file, validates all of it,
+//! builds every policy, and only then swaps; a rejected file leaves the old policy in place and
+//! is reported in the log, the metrics and `GET /admin/policy`.
+//!
+//! A route's runtime (queue, in-flight counts, goodput window) is kept across reloads by route
+//! name, so limits stay exact while the file changes.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use config::{ConfigError, PolicyFile, RouteConfig};
+use parking_lot::Mutex;
+use policies::RoutingPolicy;
+use serde_json::{json, Value};
+
+use crate::admission::Slo;
+use crate::dispatch::RouteRuntime;
+use crate::metrics::GatewayMetrics;
+
+/// One route of the active policy.
+pub struct ActiveRoute {
+    pub cfg: RouteConfig,
+    pub policy: Box<dyn RoutingPolicy>,
+    /// Replica slots of the pool.
+    pub pool: Vec<usize>,
+    pub slo: Slo,
+    pub rt: Arc<RouteRuntime>,
+}
+
+pub struct ActivePolicy {
+    pub file: PolicyFile,
+    /// The file's `version`, or a hash of its text.
+    pub version: String,
+    /// 1 for the first accepted file, +1 per accepted reload.
+    pub generation: u64,
+    pub loaded_at_unix: u64,
+    pub routes: Vec<ActiveRoute>,
+}
+
+impl ActivePolicy {
+    pub fn route(&self, prompt_tokens: usize, priority: config::Priority) -> &ActiveRoute {
+        &self.routes[self.file.classify(prompt_tokens, priority)]
+    }
+}
+
+/// Why the last load failed.
+#[derive(Debug, Clone)]
+pub struct ReloadError {
+    pub at_unix: u64,
+    pub message: String,
+    pub fields: Vec<config::FieldError>,
+}
+
+pub struct PolicyStore {
+    active: ArcSwap<ActivePolicy>,
+    path: Option<PathBuf>,
+    replicas: Vec<String>,
+    metrics: Arc<GatewayMetrics>,
+    runtimes: Mutex<HashMap<String, Arc<RouteRuntime>>>,
+    last_error: Mutex<Option<ReloadError>>,
+    /// Hash of the text last tried (accepted or not), so the file watcher acts on changes only.
+    last_seen: Mutex<Option<u64>>,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn text_hash(text: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+}
+
+impl PolicyStore {
+    /// The store for `file` (already validated), read from `path` when it came from one.
+    pub fn new(
+        file: PolicyFile,
+        text: Option<&str>,
+        path: Option<PathBuf>,
+        replicas: Vec<String>,
+        metrics: Arc<GatewayMetrics>,
+    ) -> Self {
+        let runtimes = Mutex::new(HashMap::new());
+        let version = file.version.clone().unwrap_or_else(|| match text {
+            Some(t) => format!("{:012x}", text_hash(t) >> 16),
+            None => "inline".into(),
+        });
+        let active = build(file, version, 1, &replicas, &metrics, &runtimes);
+        metrics.policy_generation.set(1.0);
+        metrics.policy_reload(true);
+        PolicyStore {
+            active: ArcSwap::from_pointee(active),
+            path,
+            replicas,
+            metrics,
+            runtimes,
+            last_error: Mutex::new(None),
+            last_seen: Mutex::new(text.map(text_hash)),
+        }
+    }
+
+    pub fn load(&self) -> Arc<ActivePolicy> {
+        self.active.load_full()
+    }
+
+    pub fn path(&self) -> Option<&PathBuf> {
+        self.path.as_ref()
+    }
+
+    /// Every route runtime ever created (routes dropped by a reload keep draining).
+    pub fn runtimes(&self) -> Vec<Arc<RouteRuntime>> {
+        self.runtimes.lock().values().cloned().collect()
+    }
+
+    /// Reads the file and swaps it in if valid. `force`: even when the text did not change
+    /// (SIGHUP, `POST /admin/policy/reload`). `Ok(false)`: nothing to do.
+    pub fn reload(&self, force: bool) -> Result<bool, ReloadError> {
+        let Some(path) = &self.path else {
+            return Err(ReloadError {
+                at_unix: unix_now(),
+                message: "the policy is inline in the gateway file; set policy_file to reload it"
+                    .into(),
+                fields: Vec::new(),
+            });
+        };
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) => {
+                return Err(self.reject(
+                    Some(None),
+                    format!("cannot read {}: {e}", path.display()),
+                    Vec::new(),
+                ))
+            }
+        };
+        let h = text_hash(&text);
+        if !force && *self.last_seen.lock() == Some(h) {
+            return Ok(false);
+        }
+        let file = match PolicyFile::from_toml(&text, &self.replicas) {
+            Ok(f) => f,
+            Err(e) => {
+                let fields = match &e {
+                    ConfigError::Invalid(f) => f.clone(),
+                    ConfigError::Parse(_) => Vec::new(),
+                };
+                return Err(self.reject(
+                    Some(Some(h)),
+                    format!("{} rejected: {e}", path.display()),
+                    fields,
+                ));
+            }
+        };
+        let generation = self.active.load().generation + 1;
+        let version = file
+            .version
+            .clone()
+            .unwrap_or_else(|| format!("{:012x}", h >> 16));
+        let next = build(
+            file,
+            version,
+            generation,
+            &self.replicas,
+            &self.metrics,
+            &self.runtimes,
+        );
+        tracing::info!(version = %next.version, generation, routes = next.routes.len(), "policy loaded");
+        self.active.store(Arc::new(next));
+        *self.last_seen.lock() = Some(h);
+        *self.last_error.lock() = None;
+        self.metrics.policy_generation.set(generation as f64);
+        self.metrics.policy_reload(true);
+        Ok(true)
+    }
+
+    fn reject(
+        &self,
+        seen: Option<Option<u64>>,
+        message: String,
+        fields: Vec<config::FieldError>,
+    ) -> ReloadError {
+        tracing::error!(%message, "policy reload rejected; the active policy stays");
+        if let Some(s) = seen {
+            *self.last_seen.lock() = s;
+        }
+        let e = ReloadError {
+            at_unix: unix_now(),
+            message,
+            fields,
+        };
+        *self.last_error.lock() = Some(e.clone());
+        self.metrics.policy_reload(false);
+        e
+    }
+
+    /// `GET /admin/policy`.
+    pub fn describe(&self, replica_names: &[String]) -> Value {
+        let a = self.load();
+        let routes: Vec<Value> = a
+            .routes
+            .iter()
+            .map(|r| {
+                let ms = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
+                json!({
+                    "name": r.cfg.name,
+                    "rules": {
+                        "min_prompt_tokens": r.cfg.min_prompt_tokens,
+                        "priority": r.cfg.priority.map(|p| p.label()),
+                    },
+                    "pool": r.pool.iter().map(|&i| replica_names[i].clone()).collect::<Vec<_>>(),
+                    "policy": r.policy.name(),
+                    "admission": r.cfg.admission,
+                    "max_concurrency": r.cfg.max_concurrency,
+                    "max_prompt_tokens_in_flight": r.cfg.max_prompt_tokens_in_flight,
+                    "queue_size": r.cfg.queue_size,
+                    "queue_timeout_ms": r.cfg.queue_timeout_ms,
+                    "slo": {"ttft_ms": ms(r.slo.ttft), "itl_ms": ms(r.slo.itl)},
+                    "in_flight": r.rt.in_flight(),
+                    "in_flight_prompt_tokens": r.rt.in_flight_tokens(),
+                    "queued": r.rt.queue.len(),
+                    "goodput_ratio": r.rt.stats.tick(r.rt.now_s()),
+                })
+            })
+            .collect();
+        let err = self.last_error.lock().clone();
+        json!({
+            "version": a.version,
+            "generation": a.generation,
+            "loaded_at_unix": a.loaded_at_unix,
+            "source": self.path.as_ref().map(|p| p.display().to_string()),
+            "kv_high_water": a.file.kv_high_water,
+            "preemption_holdoff_ms": a.file.preemption_holdoff_ms,
+            "default_policy": a.file.policy.kind(),
+            "routes": routes,
+            "last_error": err.map(|e| json!({
+                "at_unix": e.at_unix,
+                "message": e.message,
+                "fields": e.fields.iter().map(|f| json!({"field": f.field, "value": f.value, "reason": f.reason})).collect::<Vec<_>>(),
+            })),
+        })
+    }
+}
+
+fn build(
+    file: PolicyFile,
+    version: String,
+    generation: u64,
+    replicas: &[String],
+    metrics: &Arc<GatewayMetrics>,
+    runtimes: &Mutex<HashMap<String, Arc<RouteRuntime>>>,
+) -> ActivePolicy {
+    let mut rts = runtimes.lock();
+    let routes = file
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(i, cfg)| {
+            let rt = rts
+                .entry(cfg.name.clone())
+                .or_insert_with(|| Arc::new(RouteRuntime::new(&cfg.name, metrics.clone())))
+                .clone();
+            rt.queue.set_capacity(cfg.queue_size);
+            ActiveRoute {
+                policy: policies::build(cfg.policy.as_ref().unwrap_or(&file.policy)),
+                pool: file.pool(i, replicas),
+                slo: Slo {
+                    ttft: cfg.slo.ttft_ms.map(Duration::from_millis),
+                    itl: cfg.slo.itl_ms.map(Duration::from_millis),
+                },
+                cfg: cfg.clone(),
+                rt,
+            }
+        })
+        .collect();
+    ActivePolicy {
+        file,
+        version,
+        generation,
+        loaded_at_unix: unix_now(),
+        routes,
+    }
+}
