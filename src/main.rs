@@ -89,9 +89,14 @@ struct UpArgs {
     /// Replica GPU profile.
     #[arg(long, default_value = "h100")]
     gpu: String,
-    /// Routing policy kind (round_robin, least_load, consistent_hash, session, prefix_aware).
-    #[arg(long, default_value = "prefix_aware")]
-    policy: String,
+    /// Policy file (routes, SLOs, admission; hot-reloaded). Default: the embedded
+    /// config/policy.toml.
+    #[arg(long)]
+    policy_file: Option<PathBuf>,
+    /// Replace the policy file's default routing policy: round_robin, least_load,
+    /// consistent_hash, session or prefix_aware.
+    #[arg(long)]
+    policy: Option<String>,
     /// Folder with tokenizer.json and tokenizer_config.json (default: models/qwen3).
     #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     tokenizer: Option<PathBuf>,
@@ -274,8 +279,12 @@ async fn shutdown_signal() {
 async fn run_gateway(a: GatewayArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.config)
         .with_context(|| format!("cannot read {}", a.config.display()))?;
-    let cfg = config::GatewayConfig::from_toml(&text)
+    let mut cfg = config::GatewayConfig::from_toml(&text)
         .with_context(|| format!("invalid gateway file {}", a.config.display()))?;
+    if let Some(p) = &cfg.policy_file {
+        let dir = a.config.parent().unwrap_or(std::path::Path::new("."));
+        cfg.policy_file = Some(dir.join(p).display().to_string());
+    }
     serve_gateway(cfg, shutdown_signal()).await
 }
 
@@ -364,8 +373,14 @@ async fn run_up(a: UpArgs) -> Result<()> {
             anyhow!("no tokenizer found: run scripts/fetch-models.sh or pass --tokenizer DIR")
         })?,
     };
-    let policy = config::PolicyConfig::from_toml(&format!("kind = {:?}", a.policy))
-        .with_context(|| format!("unknown policy `{}`", a.policy))?;
+    let policy = a
+        .policy
+        .as_ref()
+        .map(|k| {
+            config::PolicyConfig::from_toml(&format!("kind = {k:?}"))
+                .with_context(|| format!("unknown policy `{k}`"))
+        })
+        .transpose()?;
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let children = tokio::select! {
@@ -382,7 +397,19 @@ async fn run_up(a: UpArgs) -> Result<()> {
     cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
     cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
     cfg.model.name = served_model_name(&a.model);
-    cfg.policy = policy;
+    match &a.policy_file {
+        Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
+        Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
+        None => {
+            let mut file =
+                config::PolicyFile::from_toml(config::routes::DEFAULT_POLICY, &cfg.replicas)
+                    .context("the embedded policy file is invalid")?;
+            if let Some(p) = policy {
+                file.policy = p;
+            }
+            cfg.embedded_policy = Some(file);
+        }
+    }
     cfg.validate()?;
     let result = serve_gateway(cfg, shutdown).await;
     println!("stopping {} replicas", children.len());

@@ -158,6 +158,10 @@ pub struct GatewayConfig {
     /// resolved against the gateway file's folder. Replaces `[policy]` when given.
     #[serde(default)]
     pub policy_file: Option<String>,
+    /// A policy supplied by the program rather than a file (`kvgate up`'s embedded default);
+    /// used when `policy_file` is absent, not reloadable.
+    #[serde(skip)]
+    pub embedded_policy: Option<crate::routes::PolicyFile>,
 }
 
 fn default_model() -> String {
@@ -232,6 +236,7 @@ impl GatewayConfig {
             upstream: UpstreamConfig::default(),
             policy: PolicyConfig::default(),
             policy_file: None,
+            embedded_policy: None,
         }
     }
 

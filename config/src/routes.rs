@@ -29,6 +29,9 @@ use serde::Deserialize;
 use crate::error::{ConfigError, Validator};
 use crate::policy::PolicyConfig;
 
+/// `config/policy.toml`, the default `kvgate up` runs with.
+pub const DEFAULT_POLICY: &str = include_str!("../policy.toml");
+
 /// The `x-kvgate-priority` classes; interactive when the header is absent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -169,6 +172,10 @@ pub struct PolicyFile {
     /// After a replica reports new preemptions, it gets no new request for this long.
     #[serde(default = "default_preemption_holdoff")]
     pub preemption_holdoff_ms: u64,
+    /// Share of each latency target admission plans to use; the rest absorbs prediction
+    /// error (the model learns from the past, the promise is about the future).
+    #[serde(default = "default_headroom")]
+    pub admission_headroom: f64,
     /// The routing policy of routes that name none.
     #[serde(default)]
     pub policy: PolicyConfig,
@@ -189,6 +196,9 @@ fn default_true() -> bool {
 fn default_kv_high_water() -> f64 {
     0.95
 }
+fn default_headroom() -> f64 {
+    0.9
+}
 fn default_preemption_holdoff() -> u64 {
     2_000
 }
@@ -200,6 +210,7 @@ impl PolicyFile {
             version: None,
             kv_high_water: default_kv_high_water(),
             preemption_holdoff_ms: default_preemption_holdoff(),
+            admission_headroom: default_headroom(),
             policy,
             routes: vec![RouteConfig::catch_all("default")],
         }
@@ -249,6 +260,14 @@ impl PolicyFile {
             self.kv_high_water.is_finite() && self.kv_high_water > 0.0 && self.kv_high_water <= 1.0,
             "kv_high_water",
             self.kv_high_water,
+            "must be in (0, 1]",
+        );
+        v.check(
+            self.admission_headroom.is_finite()
+                && self.admission_headroom > 0.0
+                && self.admission_headroom <= 1.0,
+            "admission_headroom",
+            self.admission_headroom,
             "must be in (0, 1]",
         );
         v.check(
@@ -386,6 +405,16 @@ slo = { ttft_ms = 1000, itl_ms = 50 }
         assert_eq!(f.routes[0].policy.as_ref().unwrap().kind(), "least_load");
         assert_eq!(f.routes[2].slo.itl_ms, Some(50));
         assert_eq!(f.routes[1].queue_size, 256);
+    }
+
+    #[test]
+    fn shipped_default_is_valid() {
+        let f = PolicyFile::from_toml(DEFAULT_POLICY, &replicas()).unwrap();
+        let names: Vec<&str> = f.routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["long", "batch", "interactive"]);
+        assert_eq!(f.classify(32_000, Priority::Interactive), 0);
+        assert_eq!(f.classify(500, Priority::Batch), 1);
+        assert_eq!(f.routes[2].slo.ttft_ms, Some(1000));
     }
 
     #[test]

@@ -24,6 +24,7 @@ use crate::goodput::RouteStats;
 use crate::metrics::GatewayMetrics;
 use crate::policy_store::{ActivePolicy, ActiveRoute};
 use crate::proxy::GatewayState;
+use crate::registry::PendingPrefill;
 use crate::router::Prepared;
 
 /// How often a waiter re-checks without being woken.
@@ -48,7 +49,7 @@ impl RouteRuntime {
             in_flight: AtomicU32::new(0),
             in_flight_tokens: AtomicU64::new(0),
             notify: Notify::new(),
-            stats: RouteStats::new(metrics, name),
+            stats: RouteStats::new(&metrics, name),
             clock: SystemClock::default(),
         }
     }
@@ -85,6 +86,9 @@ pub struct Admitted {
     rt: Arc<RouteRuntime>,
     tokens: u64,
     pub decision: RouteDecision,
+    /// The chosen replica's share of queued prefill, taken at the decision so the next
+    /// decision already sees it; with the prefill that was queued ahead of it.
+    pub pending: Option<(PendingPrefill, u64)>,
     /// Blocks of the prompt the index believed cached at each replica.
     pub matched: Vec<usize>,
     pub queued: Duration,
@@ -97,6 +101,7 @@ impl Admitted {
         decision: RouteDecision,
         matched: Vec<usize>,
         queued: Duration,
+        pending: (PendingPrefill, u64),
     ) -> Self {
         rt.in_flight.fetch_add(1, Ordering::Relaxed);
         rt.in_flight_tokens.fetch_add(tokens, Ordering::Relaxed);
@@ -106,6 +111,7 @@ impl Admitted {
             rt,
             tokens,
             decision,
+            pending: Some(pending),
             matched,
             queued,
         }
@@ -186,9 +192,10 @@ impl GatewayState {
             .collect();
         let mut hold: Option<&'static str> = None;
         if cfg.admission {
+            let h = a.file.admission_headroom;
             let slo = Slo {
-                ttft: route.slo.ttft.map(|t| t.saturating_sub(waited)),
-                itl: route.slo.itl,
+                ttft: route.slo.ttft.map(|t| t.mul_f64(h).saturating_sub(waited)),
+                itl: route.slo.itl.map(|t| t.mul_f64(h)),
             };
             let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
             for &i in &route.pool {
@@ -233,8 +240,14 @@ impl GatewayState {
 
     /// Whether even the best replica of the pool, idle, could no longer answer within the TTFT
     /// promise.
-    fn deadline_gone(&self, route: &ActiveRoute, p: &Prepared, waited: Duration) -> bool {
-        let Some(target) = route.slo.ttft else {
+    fn deadline_gone(
+        &self,
+        a: &ActivePolicy,
+        route: &ActiveRoute,
+        p: &Prepared,
+        waited: Duration,
+    ) -> bool {
+        let Some(target) = route.slo.ttft.map(|t| t.mul_f64(a.file.admission_headroom)) else {
             return false;
         };
         if !route.cfg.admission {
@@ -285,14 +298,20 @@ impl GatewayState {
             if my_turn {
                 match self.try_dispatch(a, route, p, waited) {
                     Ok((d, matched)) => {
-                        drop(place);
-                        return Ok(Admitted::new(
+                        let pending = PendingPrefill::new(
+                            self.router.registry.replicas[d.replica].clone(),
+                            self.uncached(p, &matched, d.replica),
+                        );
+                        let admitted = Admitted::new(
                             rt.clone(),
                             p.prompt_tokens as u64,
                             d,
                             matched,
                             waited,
-                        ));
+                            pending,
+                        );
+                        drop(place);
+                        return Ok(admitted);
                     }
                     Err(Wait::Fail(e)) => return Err(Refusal::Error(e)),
                     Err(Wait::Hold(reason)) if place.is_none() => rt.stats.held(reason),
@@ -326,7 +345,7 @@ impl GatewayState {
                 Some(Shed::Timeout {
                     retry_after: retry(),
                 })
-            } else if self.deadline_gone(route, p, waited) {
+            } else if self.deadline_gone(a, route, p, waited) {
                 Some(Shed::DeadlineGone {
                     retry_after: retry(),
                 })

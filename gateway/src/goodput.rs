@@ -130,14 +130,25 @@ pub struct RouteStats {
     pub goodput_ratio: Gauge,
     pub in_flight: Gauge,
     pub queued: Gauge,
-    metrics: std::sync::Arc<GatewayMetrics>,
-    route: String,
+    shed: Vec<(&'static str, Counter)>,
+    holds: Vec<(&'static str, Counter)>,
     window: Mutex<Window>,
 }
 
+/// Every shed reason and hold reason, registered up front so each series exists at 0.
+const SHED_REASONS: [&str; 3] = ["queue_full", "deadline", "timeout"];
+const HOLD_REASONS: [&str; 7] = [
+    "ttft",
+    "itl",
+    "kv_high_water",
+    "preempting",
+    "concurrency",
+    "token_budget",
+    "queue_order",
+];
+
 impl RouteStats {
-    pub fn new(metrics: std::sync::Arc<GatewayMetrics>, route: &str) -> Self {
-        let m = &metrics;
+    pub fn new(m: &GatewayMetrics, route: &str) -> Self {
         RouteStats {
             requests: m.route_counter("kvgate_gateway_route_requests_total", route, &[]),
             good_requests: m.route_counter("kvgate_gateway_good_requests_total", route, &[]),
@@ -164,8 +175,28 @@ impl RouteStats {
             goodput_ratio: m.route_gauge("kvgate_gateway_goodput_ratio", route),
             in_flight: m.route_gauge("kvgate_gateway_route_in_flight", route),
             queued: m.route_gauge("kvgate_gateway_route_queue_depth", route),
-            metrics: metrics.clone(),
-            route: route.to_string(),
+            shed: SHED_REASONS
+                .iter()
+                .map(|r| {
+                    (
+                        *r,
+                        m.route_counter("kvgate_gateway_shed_total", route, &[("reason", r)]),
+                    )
+                })
+                .collect(),
+            holds: HOLD_REASONS
+                .iter()
+                .map(|r| {
+                    (
+                        *r,
+                        m.route_counter(
+                            "kvgate_gateway_admission_holds_total",
+                            route,
+                            &[("reason", r)],
+                        ),
+                    )
+                })
+                .collect(),
             window: Mutex::new(Window::default()),
         }
     }
@@ -193,13 +224,9 @@ impl RouteStats {
 
     /// Records a request answered with 429, and why.
     pub fn shed(&self, now_s: u64, reason: &'static str) {
-        self.metrics
-            .route_counter(
-                "kvgate_gateway_shed_total",
-                &self.route,
-                &[("reason", reason)],
-            )
-            .increment(1);
+        if let Some((_, c)) = self.shed.iter().find(|(r, _)| *r == reason) {
+            c.increment(1);
+        }
         let mut w = self.window.lock();
         w.add(now_s, false);
         self.goodput_ratio.set(w.ratio(now_s).unwrap_or(1.0));
@@ -207,13 +234,9 @@ impl RouteStats {
 
     /// Records why a request had to wait (the first hold it met).
     pub fn held(&self, reason: &'static str) {
-        self.metrics
-            .route_counter(
-                "kvgate_gateway_admission_holds_total",
-                &self.route,
-                &[("reason", reason)],
-            )
-            .increment(1);
+        if let Some((_, c)) = self.holds.iter().find(|(r, _)| *r == reason) {
+            c.increment(1);
+        }
     }
 
     /// Refreshes the ratio so it decays when traffic stops; 1 when the route saw nothing.

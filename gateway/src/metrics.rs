@@ -36,6 +36,8 @@ pub struct GatewayMetrics {
     pub retries: Counter,
     pub policy_generation: Gauge,
     pub policy_last_reload_ok: Gauge,
+    /// Accepted, rejected.
+    policy_reloads: [Counter; 2],
     pub replicas: Vec<ReplicaMetrics>,
 }
 
@@ -62,7 +64,7 @@ impl GatewayMetrics {
         };
         describe_counter(
             "kvgate_gateway_requests_total",
-            "Requests answered, by route and status",
+            "Requests answered, by endpoint and status",
         );
         describe_counter(
             "kvgate_gateway_decisions_total",
@@ -221,6 +223,15 @@ impl GatewayMetrics {
                 .register_counter(&Key::from_name("kvgate_gateway_retries_total"), &META),
             policy_generation: recorder
                 .register_gauge(&Key::from_name("kvgate_gateway_policy_generation"), &META),
+            policy_reloads: [true, false].map(|ok| {
+                recorder.register_counter(
+                    &Key::from_parts(
+                        "kvgate_gateway_policy_reloads_total",
+                        vec![Label::new("result", if ok { "ok" } else { "rejected" })],
+                    ),
+                    &META,
+                )
+            }),
             policy_last_reload_ok: recorder.register_gauge(
                 &Key::from_name("kvgate_gateway_policy_last_reload_ok"),
                 &META,
@@ -231,13 +242,13 @@ impl GatewayMetrics {
         }
     }
 
-    pub fn request(&self, route: &'static str, status: u16) {
+    pub fn request(&self, endpoint: &'static str, status: u16) {
         self.recorder
             .register_counter(
                 &Key::from_parts(
                     "kvgate_gateway_requests_total",
                     vec![
-                        Label::new("route", route),
+                        Label::new("endpoint", endpoint),
                         Label::new("status", status.to_string()),
                     ],
                 ),
@@ -286,15 +297,7 @@ impl GatewayMetrics {
     }
 
     pub fn policy_reload(&self, ok: bool) {
-        self.recorder
-            .register_counter(
-                &Key::from_parts(
-                    "kvgate_gateway_policy_reloads_total",
-                    vec![Label::new("result", if ok { "ok" } else { "rejected" })],
-                ),
-                &META,
-            )
-            .increment(1);
+        self.policy_reloads[usize::from(!ok)].increment(1);
         self.policy_last_reload_ok.set(if ok { 1.0 } else { 0.0 });
     }
 

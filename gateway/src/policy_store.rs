@@ -238,6 +238,7 @@ impl PolicyStore {
             "source": self.path.as_ref().map(|p| p.display().to_string()),
             "kv_high_water": a.file.kv_high_water,
             "preemption_holdoff_ms": a.file.preemption_holdoff_ms,
+            "admission_headroom": a.file.admission_headroom,
             "default_policy": a.file.policy.kind(),
             "routes": routes,
             "last_error": err.map(|e| json!({

@@ -226,7 +226,7 @@ impl GatewayState {
         p: &Prepared,
         body: Bytes,
         started: Instant,
-        admitted: Admitted,
+        mut admitted: Admitted,
     ) -> u16 {
         let router = &self.router;
         let registry = &router.registry;
@@ -268,7 +268,10 @@ impl GatewayState {
             let uncached_tokens =
                 p.prompt_tokens
                     .saturating_sub(d.matched_blocks * router.block_size) as u64;
-            let (pending, ahead_tokens) = PendingPrefill::new(replica.clone(), uncached_tokens);
+            let (pending, ahead_tokens) = match admitted.pending.take() {
+                Some(x) if attempt == 0 => x,
+                _ => PendingPrefill::new(replica.clone(), uncached_tokens),
+            };
             let req = match http::Request::post(format!("http://{addr}{}", p.endpoint.path()))
                 .header("content-type", "application/json")
                 .body(http_body_util::Full::new(body.clone()))

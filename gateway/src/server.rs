@@ -131,8 +131,14 @@ fn load_policy(
     metrics: &Arc<GatewayMetrics>,
 ) -> Result<PolicyStore, GatewayError> {
     let Some(path) = &cfg.policy_file else {
+        let file = cfg
+            .embedded_policy
+            .clone()
+            .unwrap_or_else(|| PolicyFile::single(cfg.policy.clone()));
+        file.validate(&cfg.replicas)
+            .map_err(|e| GatewayError::Policy("(embedded)".into(), e.to_string()))?;
         return Ok(PolicyStore::new(
-            PolicyFile::single(cfg.policy.clone()),
+            file,
             None,
             None,
             cfg.replicas.clone(),
