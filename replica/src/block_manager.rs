@@ -273,6 +273,25 @@ impl BlockPool {
         });
     }
 
+    /// Forgets every cached block no sequence holds (SGLang's `/flush_cache`): their hashes are
+    /// dropped and reported removed; blocks in use keep theirs. Returns how many were dropped.
+    pub fn flush_cached(&mut self) -> usize {
+        let mut dropped = 0;
+        let mut id = self.free_head;
+        while id != NIL {
+            let next = self.blocks[id as usize].next;
+            if let Some(h) = self.blocks[id as usize].hash.take() {
+                if self.cached.get(&h) == Some(&id) {
+                    self.cached.remove(&h);
+                    self.emit_removed(h);
+                    dropped += 1;
+                }
+            }
+            id = next;
+        }
+        dropped
+    }
+
     /// Events since the last call, in order.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.pending)
@@ -363,6 +382,29 @@ mod tests {
             }
             e => panic!("{e:?}"),
         }
+    }
+
+    #[test]
+    fn flush_drops_free_cached_blocks_only() {
+        let pool = Arc::new(Mutex::new(BlockPool::new(8, 4, true)));
+        let mut p = pool.lock();
+        let kept = p.allocate(1).unwrap();
+        let gone = p.allocate(2).unwrap();
+        p.commit(kept[0], 1, None, &[1, 2, 3, 4]);
+        p.commit(gone[0], 2, None, &[5, 6, 7, 8]);
+        p.commit(gone[1], 3, Some(2), &[9, 10, 11, 12]);
+        p.release(&gone);
+        p.take_events();
+        assert_eq!(p.flush_cached(), 2);
+        assert_eq!(p.lookup_prefix(&[2]), Vec::<BlockId>::new());
+        assert_eq!(p.lookup_prefix(&[1]), kept);
+        assert_eq!(
+            p.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![3, 2],
+                medium: Some("GPU".into()),
+            }]
+        );
     }
 
     #[test]

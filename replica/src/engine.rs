@@ -35,6 +35,8 @@ pub enum EngineEvent {
 enum Command {
     Add(SeqRequest, mpsc::UnboundedSender<EngineEvent>),
     Abort(SeqId),
+    /// Drop every cached block no sequence holds; answers how many.
+    FlushCache(tokio::sync::oneshot::Sender<usize>),
 }
 
 /// Load signals shared with HTTP handlers (`/get_load`, `/server_info`).
@@ -122,6 +124,17 @@ impl EngineHandle {
 
     pub fn limits(&self) -> &EngineLimits {
         &self.limits
+    }
+
+    /// Drops every cached prefix block no running request holds (benchmarks start each run
+    /// cold with it); returns how many blocks were dropped.
+    pub async fn flush_cache(&self) -> Result<usize, ApiError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Command::FlushCache(tx))
+            .map_err(|_| ApiError::unavailable("the engine has stopped"))?;
+        rx.await
+            .map_err(|_| ApiError::unavailable("the engine has stopped"))
     }
 
     /// Checks the request against the context and cache limits and queues it.
@@ -268,6 +281,15 @@ impl Engine {
                     self.metrics.finished_abort.increment(1);
                 }
                 self.live.remove(&id);
+            }
+            Command::FlushCache(reply) => {
+                let (n, events) = {
+                    let mut pool = self.scheduler.pool().lock();
+                    let n = pool.flush_cached();
+                    (n, pool.take_events())
+                };
+                self.hub.publish(events);
+                let _ = reply.send(n);
             }
         }
     }

@@ -92,6 +92,7 @@ const KNOWN: &[&str] = &[
     "/model_info",
     "/get_model_info",
     "/get_load",
+    "/flush_cache",
 ];
 
 async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
@@ -128,6 +129,13 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
         (&Method::GET, "/server_info" | "/get_server_info") => Ok(info::server_info(&state)),
         (&Method::GET, "/model_info" | "/get_model_info") => Ok(info::model_info(&state)),
         (&Method::GET, "/get_load") => Ok(info::get_load(&state)),
+        (&Method::POST, "/flush_cache") => {
+            let n = state.engine.flush_cache().await?;
+            Ok(json_response(
+                StatusCode::OK,
+                &serde_json::json!({"flushed_blocks": n}),
+            ))
+        }
         (m, p) if KNOWN.contains(&p) => Err(ApiError::method_not_allowed(m.as_str(), p)),
         (_, p) => Err(ApiError::not_found_path(p)),
     }

@@ -125,6 +125,25 @@ async fn usage_reports_cached_tokens_for_a_shared_prefix() {
             .await
             >= expected as f64
     );
+
+    // After /flush_cache the same prompt finds nothing cached.
+    let flushed: Value = r
+        .post("/flush_cache", json!({}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        flushed["flushed_blocks"].as_u64().unwrap() >= 3,
+        "{flushed}"
+    );
+    let third: Value = r
+        .post("/v1/chat/completions", chat("Which block size?", 4))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(third["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }
 
 async fn read_frames(
