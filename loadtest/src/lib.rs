@@ -1,15 +1,16 @@
-//! The benchmark client behind `kvgate bench` (in progress): open-loop Poisson arrivals, seeded
-//! workloads, streaming measurement of the four timers and a side-by-side compare mode.
-//!
-//! Built so far: the seeded random source and arrival process ([`arrival`]), the percentile
-//! maths of the report ([`stats`]) and the seeded workloads ([`workload`]: chat, agent, rag,
-//! mixed-tail), the streaming measuring client ([`client`]) and a single open-loop run with its
-//! report ([`run`]), behind `kvgate bench`. Trace replay, rate sweeps, plots and compare mode
-//! arrive with the rest of the load-tester issue.
+//! The benchmark client behind `kvgate bench`: open-loop arrivals at fixed rates (Poisson, or a
+//! replayed trace), seeded workloads, streaming measurement of what a user sees (TTFT, every
+//! inter-token gap, end to end, cached tokens, the replica that answered), goodput against an
+//! SLO, rate sweeps against several targets interleaved ([`compare`]), the oracle hit-ratio
+//! ceiling ([`oracle`]) and plots ([`plot`]).
 #![forbid(unsafe_code)]
 
 pub mod arrival;
 pub mod client;
+pub mod compare;
+pub mod oracle;
+pub mod plot;
 pub mod run;
 pub mod stats;
+pub mod trace;
 pub mod workload;

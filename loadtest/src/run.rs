@@ -1,6 +1,10 @@
-//! One open-loop run: the workload's items sent at the Poisson schedule's offsets (never waiting
-//! for earlier answers), warm-up samples dropped from the report.
+//! One open-loop run: the workload's items sent at the arrival schedule's offsets (never waiting
+//! for earlier answers), bounded by duration and request count, warm-up samples dropped from the
+//! report, goodput judged against the SLO given.
 
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -9,63 +13,202 @@ use serde::Serialize;
 use crate::arrival::poisson_schedule;
 use crate::client::{send, Sample};
 use crate::stats::Summary;
-use crate::workload::{generate, Kind};
+use crate::trace::Trace;
+use crate::workload::{generate, Kind, WorkItem};
+
+/// What to send.
+#[derive(Debug, Clone)]
+pub enum Workload {
+    Generated(Kind),
+    Trace(Arc<Trace>),
+}
+
+impl Workload {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Workload::Generated(k) => k.name(),
+            Workload::Trace(_) => "trace",
+        }
+    }
+
+    /// Offsets (seconds) and items of a run at `rate`.
+    pub fn plan(
+        &self,
+        rate: f64,
+        duration: Duration,
+        max: usize,
+        seed: u64,
+    ) -> (Vec<f64>, Vec<WorkItem>) {
+        match self {
+            Workload::Generated(kind) => {
+                let at: Vec<f64> = poisson_schedule(rate, duration, max, seed)
+                    .iter()
+                    .map(Duration::as_secs_f64)
+                    .collect();
+                let items = generate(*kind, at.len(), seed);
+                (at, items)
+            }
+            Workload::Trace(t) => {
+                let at = t.schedule(rate, duration.as_secs_f64(), max);
+                let items = t.items[..at.len()].to_vec();
+                (at, items)
+            }
+        }
+    }
+}
+
+/// Latency targets a request must meet to count as goodput (p95 of its own gaps for ITL).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Slo {
+    pub ttft_s: Option<f64>,
+    pub itl_s: Option<f64>,
+}
+
+impl Slo {
+    pub fn met(&self, s: &Sample) -> bool {
+        if !s.ok() {
+            return false;
+        }
+        let ttft_ok = match (self.ttft_s, s.ttft_s) {
+            (None, _) => true,
+            (Some(t), Some(x)) => x <= t,
+            (Some(_), None) => false,
+        };
+        let itl_ok = match self.itl_s {
+            None => true,
+            Some(t) => {
+                let mut g = s.inter_token_s.clone();
+                g.sort_by(f64::total_cmp);
+                let rank = ((g.len() as f64) * 0.95).ceil() as usize;
+                g.is_empty() || g[rank.clamp(1, g.len()) - 1] <= t
+            }
+        };
+        ttft_ok && itl_ok
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct RunSpec {
     pub base_url: String,
+    /// Name in reports (the URL when not given).
+    pub label: String,
     pub model: String,
-    pub workload: Kind,
+    pub workload: Workload,
     pub rate: f64,
     pub duration: Duration,
     pub max_requests: usize,
     pub warmup: Duration,
     pub seed: u64,
     pub request_timeout: Duration,
+    pub slo: Slo,
+    /// Draw a progress line on standard error (only when it is a terminal).
+    pub progress: bool,
 }
 
 /// The report of one run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub target: String,
+    pub url: String,
+    pub workload: String,
     pub rate: f64,
     pub sent: usize,
     pub measured: usize,
     pub ok: usize,
+    /// Measured requests answered 429 (shed by admission).
+    pub shed: usize,
+    /// Measured requests that failed otherwise.
+    pub errors: usize,
     pub duration_s: f64,
+    /// Measured requests per second of the measured window (what was offered).
+    pub offered_per_s: f64,
     pub requests_per_s: f64,
     pub output_tokens_per_s: f64,
+    pub slo: Slo,
+    /// Measured requests that met the SLO.
+    pub good: usize,
+    pub goodput_requests_per_s: f64,
     pub ttft_s: Option<Summary>,
     pub inter_token_s: Option<Summary>,
     pub e2e_s: Option<Summary>,
     /// Cached prompt tokens / prompt tokens over measured requests.
     pub prefix_hit_ratio: f64,
     /// Requests per `x-kvgate-replica` value.
-    pub per_replica: std::collections::BTreeMap<String, usize>,
+    pub per_replica: BTreeMap<String, usize>,
     pub samples: Vec<Sample>,
 }
 
+/// Redraws one status line while a run is going.
+fn spawn_progress(
+    label: String,
+    rate: f64,
+    planned: usize,
+    sent: Arc<AtomicUsize>,
+    done: Arc<AtomicUsize>,
+    start: Instant,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let (s, d) = (sent.load(Ordering::Relaxed), done.load(Ordering::Relaxed));
+            let width = 30;
+            let filled = (d * width).checked_div(planned).unwrap_or(width);
+            let bar: String = (0..width)
+                .map(|i| if i < filled { '#' } else { '.' })
+                .collect();
+            eprint!(
+                "\r{label} @ {rate:.2}/s [{bar}] sent {s}/{planned} done {d} {:.0}s ",
+                start.elapsed().as_secs_f64()
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }))
+}
+
 pub async fn run(spec: &RunSpec) -> Report {
-    let schedule = poisson_schedule(spec.rate, spec.duration, spec.max_requests, spec.seed);
-    let items = generate(spec.workload, schedule.len(), spec.seed);
+    let (schedule, items) =
+        spec.workload
+            .plan(spec.rate, spec.duration, spec.max_requests, spec.seed);
     let client = reqwest::Client::new();
     let start = Instant::now();
     let spec_arc = Arc::new(spec.clone());
+    let (sent, done) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let bar = spec
+        .progress
+        .then(|| {
+            spawn_progress(
+                spec.label.clone(),
+                spec.rate,
+                schedule.len(),
+                sent.clone(),
+                done.clone(),
+                start,
+            )
+        })
+        .flatten();
     let mut tasks = Vec::with_capacity(items.len());
     for (at, item) in schedule.iter().copied().zip(items) {
-        tokio::time::sleep_until((start + at).into()).await;
+        tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
         let client = client.clone();
         let spec = spec_arc.clone();
+        let done = done.clone();
+        sent.fetch_add(1, Ordering::Relaxed);
         tasks.push(tokio::spawn(async move {
-            send(
+            let s = send(
                 &client,
                 &spec.base_url,
                 &spec.model,
                 &item,
-                at.as_secs_f64(),
+                at,
                 spec.request_timeout,
             )
-            .await
+            .await;
+            done.fetch_add(1, Ordering::Relaxed);
+            s
         }));
     }
     let mut samples = Vec::with_capacity(tasks.len());
@@ -74,15 +217,21 @@ pub async fn run(spec: &RunSpec) -> Report {
             samples.push(s);
         }
     }
+    if let Some(b) = bar {
+        b.abort();
+        eprint!("\r\x1b[2K");
+    }
     let elapsed = start.elapsed().as_secs_f64();
     summarise(spec, samples, elapsed)
 }
 
-fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
+pub fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
     let warm = spec.warmup.as_secs_f64();
     let measured: Vec<&Sample> = samples.iter().filter(|s| s.scheduled_s >= warm).collect();
     let ok: Vec<&&Sample> = measured.iter().filter(|s| s.ok()).collect();
-    let window = (elapsed - warm).max(1e-9);
+    // Rates are per second of the measured arrival window: at steady state an open-loop
+    // target completes what arrives in it (answers still draining afterwards included).
+    let window = (spec.duration.as_secs_f64() - warm).max(1e-9);
     let ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft_s).collect();
     let itl: Vec<f64> = ok
         .iter()
@@ -92,21 +241,31 @@ fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
     let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
     let out_tokens: u64 = ok.iter().map(|s| s.completion_tokens).sum();
-    let mut per_replica = std::collections::BTreeMap::new();
+    let good = ok.iter().filter(|s| spec.slo.met(s)).count();
+    let shed = measured.iter().filter(|s| s.status == 429).count();
+    let mut per_replica = BTreeMap::new();
     for s in &ok {
         *per_replica
             .entry(s.replica.clone().unwrap_or_else(|| "unknown".into()))
             .or_insert(0) += 1;
     }
     Report {
-        target: spec.base_url.clone(),
+        target: spec.label.clone(),
+        url: spec.base_url.clone(),
+        workload: spec.workload.name().to_string(),
         rate: spec.rate,
         sent: samples.len(),
         measured: measured.len(),
         ok: ok.len(),
+        shed,
+        errors: measured.len() - ok.len() - shed,
         duration_s: elapsed,
+        offered_per_s: measured.len() as f64 / window,
         requests_per_s: ok.len() as f64 / window,
         output_tokens_per_s: out_tokens as f64 / window,
+        slo: spec.slo,
+        good,
+        goodput_requests_per_s: good as f64 / window,
         ttft_s: Summary::of(&ttft),
         inter_token_s: Summary::of(&itl),
         e2e_s: Summary::of(&e2e),
@@ -120,21 +279,27 @@ fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
     }
 }
 
+pub(crate) fn ms(s: &Option<Summary>, f: fn(&Summary) -> f64) -> String {
+    s.as_ref()
+        .map_or("-".to_string(), |x| format!("{:.1}", f(x) * 1e3))
+}
+
 impl Report {
     /// The terminal table.
     pub fn table(&self) -> String {
-        let ms = |s: &Option<Summary>, f: fn(&Summary) -> f64| {
-            s.as_ref()
-                .map_or("-".to_string(), |x| format!("{:.1}", f(x) * 1e3))
-        };
         let mut out = format!(
-            "target {}  rate {:.2}/s  sent {}  measured {}  ok {}  req/s {:.2}  out tok/s {:.0}  prefix hit {:.1}%\n",
+            "target {} ({})  rate {:.2}/s  sent {}  measured {}  ok {}  shed {}  errors {}\n\
+             req/s {:.2}  goodput req/s {:.2}  out tok/s {:.0}  prefix hit {:.1}%\n",
             self.target,
+            self.url,
             self.rate,
             self.sent,
             self.measured,
             self.ok,
+            self.shed,
+            self.errors,
             self.requests_per_s,
+            self.goodput_requests_per_s,
             self.output_tokens_per_s,
             self.prefix_hit_ratio * 100.0
         );
@@ -154,5 +319,106 @@ impl Report {
         }
         out.push_str(&format!("per replica: {:?}\n", self.per_replica));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(ttft: f64, gaps: &[f64], status: u16) -> Sample {
+        Sample {
+            scheduled_s: 10.0,
+            status,
+            error: None,
+            ttft_s: Some(ttft),
+            inter_token_s: gaps.to_vec(),
+            e2e_s: ttft + gaps.iter().sum::<f64>(),
+            prompt_tokens: 100,
+            completion_tokens: gaps.len() as u64 + 1,
+            cached_tokens: 50,
+            replica: Some("r0".into()),
+        }
+    }
+
+    #[test]
+    fn goodput_judges_ttft_and_the_p95_gap() {
+        let slo = Slo {
+            ttft_s: Some(1.0),
+            itl_s: Some(0.05),
+        };
+        assert!(slo.met(&sample(0.5, &[0.04; 20], 200)));
+        assert!(!slo.met(&sample(1.5, &[0.04; 20], 200)));
+        let mut gaps = vec![0.04; 18];
+        gaps.extend([0.5, 0.5]);
+        assert!(!slo.met(&sample(0.5, &gaps, 200)));
+        assert!(!slo.met(&sample(0.5, &[0.04], 429)));
+        assert!(Slo::default().met(&sample(100.0, &[9.0], 200)));
+    }
+
+    #[test]
+    fn report_json_has_the_documented_schema() {
+        let spec = RunSpec {
+            base_url: "http://x".into(),
+            label: "x".into(),
+            model: "m".into(),
+            workload: Workload::Generated(Kind::Chat),
+            rate: 2.0,
+            duration: Duration::from_secs(10),
+            max_requests: 100,
+            warmup: Duration::from_secs(5),
+            seed: 1,
+            request_timeout: Duration::from_secs(1),
+            slo: Slo {
+                ttft_s: Some(1.0),
+                itl_s: None,
+            },
+            progress: false,
+        };
+        let mut warm = sample(0.1, &[0.01], 200);
+        warm.scheduled_s = 1.0;
+        let samples = vec![
+            warm,
+            sample(0.2, &[0.01, 0.02], 200),
+            sample(2.0, &[0.01], 200),
+            sample(0.0, &[], 429),
+        ];
+        let r = summarise(&spec, samples, 15.0);
+        let v = serde_json::to_value(&r).unwrap();
+        for key in [
+            "target",
+            "url",
+            "workload",
+            "rate",
+            "sent",
+            "measured",
+            "ok",
+            "shed",
+            "errors",
+            "offered_per_s",
+            "requests_per_s",
+            "goodput_requests_per_s",
+            "output_tokens_per_s",
+            "slo",
+            "ttft_s",
+            "inter_token_s",
+            "e2e_s",
+            "prefix_hit_ratio",
+            "per_replica",
+            "samples",
+        ] {
+            assert!(v.get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(v["sent"], 4);
+        assert_eq!(v["measured"], 3);
+        assert_eq!(v["ok"], 2);
+        assert_eq!(v["shed"], 1);
+        assert_eq!(v["good"], 1);
+        assert_eq!(v["ttft_s"]["count"], 2);
+        assert_eq!(v["prefix_hit_ratio"], 0.5);
+        assert_eq!(v["per_replica"]["r0"], 2);
+        for p in ["p50", "p95", "p99"] {
+            assert!(v["ttft_s"][p].is_number());
+        }
     }
 }

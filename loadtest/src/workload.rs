@@ -50,6 +50,15 @@ pub enum Kind {
 }
 
 impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat",
+            Kind::Agent => "agent",
+            Kind::Rag => "rag",
+            Kind::MixedTail => "mixed-tail",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "chat" => Some(Kind::Chat),
@@ -89,7 +98,7 @@ fn approx_tokens(messages: &[ChatMessage]) -> usize {
         .sum()
 }
 
-fn item(session: Option<u64>, messages: Vec<ChatMessage>, max_tokens: u32) -> WorkItem {
+pub(crate) fn item(session: Option<u64>, messages: Vec<ChatMessage>, max_tokens: u32) -> WorkItem {
     WorkItem {
         approx_tokens: approx_tokens(&messages),
         session,

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{start_gateway, start_replica};
-use loadtest::run::{run, RunSpec};
+use loadtest::run::{run, RunSpec, Slo, Workload};
 use loadtest::workload::Kind;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,14 +18,20 @@ async fn a_short_chat_run_produces_a_well_formed_report() {
     let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
     let spec = RunSpec {
         base_url: gw.base.clone(),
+        label: "gateway".into(),
         model: "Qwen3-8B".into(),
-        workload: Kind::Chat,
+        workload: Workload::Generated(Kind::Chat),
         rate: 10.0,
         duration: Duration::from_secs(3),
         max_requests: 40,
         warmup: Duration::from_millis(500),
         seed: 3,
         request_timeout: Duration::from_secs(120),
+        slo: Slo {
+            ttft_s: Some(30.0),
+            itl_s: None,
+        },
+        progress: false,
     };
     let report = run(&spec).await;
     assert!(report.sent > 10, "{}", report.sent);
@@ -52,4 +58,6 @@ async fn a_short_chat_run_produces_a_well_formed_report() {
         assert!(json.get(key).is_some(), "{key}");
     }
     assert!(report.table().contains("ttft"));
+    // Generous promise on an idle fleet: every measured request is goodput.
+    assert_eq!(report.good, report.ok);
 }

@@ -1,0 +1,287 @@
+//! Compare mode: the same workload at the same rates against several targets in one
+//! invocation. Targets are interleaved — each rate runs every target before the next rate, in an
+//! order rotated per rate — so machine drift spreads over all of them instead of favouring the
+//! first. Before every run each `flush` URL gets `POST /flush_cache`, so every target starts
+//! from a cold cache. One report: a JSON document, a Markdown table, and plots.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::run::{ms, run, Report, RunSpec};
+
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub name: String,
+    pub url: String,
+}
+
+impl Target {
+    /// `NAME=URL`, or a bare URL named after itself.
+    pub fn parse(s: &str) -> Self {
+        match s.split_once('=') {
+            Some((n, u)) if !n.contains("://") => Target {
+                name: n.to_string(),
+                url: u.trim_end_matches('/').to_string(),
+            },
+            _ => Target {
+                name: s.to_string(),
+                url: s.trim_end_matches('/').to_string(),
+            },
+        }
+    }
+}
+
+pub struct CompareSpec {
+    pub targets: Vec<Target>,
+    pub rates: Vec<f64>,
+    /// Base URLs that get `POST /flush_cache` before every run.
+    pub flush: Vec<String>,
+    /// Everything else of a run (its URL, label and rate are replaced per run).
+    pub base: RunSpec,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Knee {
+    pub target: String,
+    /// The highest rate at which the target served at least 90% of what was offered within
+    /// the SLO (without an SLO: served 90% with p95 TTFT under twice its lowest-rate value).
+    pub rate: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OracleAtRate {
+    pub rate: f64,
+    pub hit_ratio: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareReport {
+    pub workload: String,
+    pub model: String,
+    pub seed: u64,
+    pub duration_s: f64,
+    pub warmup_s: f64,
+    pub slo: crate::run::Slo,
+    pub rates: Vec<f64>,
+    pub targets: Vec<String>,
+    /// Runs in the order they ran (samples left out; see `ttft_samples_s`).
+    pub runs: Vec<Report>,
+    pub knees: Vec<Knee>,
+    /// The ceiling: hit ratio with unlimited cache and perfect placement, per rate.
+    pub oracle: Vec<OracleAtRate>,
+    /// Per run (same order as `runs`), the measured TTFTs, for CDFs.
+    #[serde(skip)]
+    pub ttft_samples_s: Vec<Vec<f64>>,
+    pub flush_errors: Vec<String>,
+}
+
+async fn flush(client: &reqwest::Client, urls: &[String]) -> Vec<String> {
+    let mut errors = Vec::new();
+    for u in urls {
+        let url = format!("{}/flush_cache", u.trim_end_matches('/'));
+        match client
+            .post(&url)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => {}
+            Ok(r) => errors.push(format!("{url}: {}", r.status())),
+            Err(e) => errors.push(format!("{url}: {e}")),
+        }
+    }
+    errors
+}
+
+/// Runs every (rate, target) pair, interleaved.
+pub async fn compare(
+    spec: &CompareSpec,
+    oracle: impl Fn(f64) -> Option<f64>,
+    mut on_run: impl FnMut(&Report),
+) -> CompareReport {
+    let client = reqwest::Client::new();
+    let mut runs = Vec::new();
+    let mut ttfts = Vec::new();
+    let mut flush_errors = Vec::new();
+    let mut oracles = Vec::new();
+    let n = spec.targets.len();
+    for (ri, &rate) in spec.rates.iter().enumerate() {
+        if let Some(h) = oracle(rate) {
+            oracles.push(OracleAtRate { rate, hit_ratio: h });
+        }
+        for k in 0..n {
+            let t = &spec.targets[(ri + k) % n];
+            flush_errors.extend(flush(&client, &spec.flush).await);
+            let mut s = spec.base.clone();
+            s.base_url = t.url.clone();
+            s.label = t.name.clone();
+            s.rate = rate;
+            let mut r = run(&s).await;
+            on_run(&r);
+            let warm = s.warmup.as_secs_f64();
+            ttfts.push(
+                r.samples
+                    .iter()
+                    .filter(|x| x.scheduled_s >= warm && x.ok())
+                    .filter_map(|x| x.ttft_s)
+                    .collect(),
+            );
+            r.samples.clear();
+            runs.push(r);
+        }
+    }
+    let targets: Vec<String> = spec.targets.iter().map(|t| t.name.clone()).collect();
+    let knees = targets
+        .iter()
+        .map(|t| Knee {
+            target: t.clone(),
+            rate: knee(runs.iter().filter(|r| &r.target == t), &spec.base.slo),
+        })
+        .collect();
+    CompareReport {
+        workload: spec.base.workload.name().to_string(),
+        model: spec.base.model.clone(),
+        seed: spec.base.seed,
+        duration_s: spec.base.duration.as_secs_f64(),
+        warmup_s: spec.base.warmup.as_secs_f64(),
+        slo: spec.base.slo,
+        rates: spec.rates.clone(),
+        targets,
+        runs,
+        knees,
+        oracle: oracles,
+        ttft_samples_s: ttfts,
+        flush_errors,
+    }
+}
+
+/// See [`Knee::rate`].
+pub fn knee<'a>(runs: impl Iterator<Item = &'a Report>, slo: &crate::run::Slo) -> Option<f64> {
+    let mut rs: Vec<&Report> = runs.collect();
+    rs.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    let base_p95 = rs.first()?.ttft_s.as_ref().map(|s| s.p95)?;
+    let has_slo = slo.ttft_s.is_some() || slo.itl_s.is_some();
+    rs.iter()
+        .filter(|r| {
+            if has_slo {
+                r.goodput_requests_per_s >= 0.9 * r.offered_per_s
+            } else {
+                r.requests_per_s >= 0.9 * r.offered_per_s
+                    && r.ttft_s.as_ref().is_some_and(|s| s.p95 <= 2.0 * base_p95)
+            }
+        })
+        .map(|r| r.rate)
+        .next_back()
+}
+
+impl CompareReport {
+    /// The Markdown report: one table per rate, targets as rows.
+    pub fn markdown(&self) -> String {
+        let mut out = format!(
+            "# kvgate bench compare: {} workload, model {}, seed {}\n\n\
+             {} s per run after {} s warm-up (discarded); SLO: TTFT {} / inter-token {} (p95 per request).\n\n",
+            self.workload,
+            self.model,
+            self.seed,
+            self.duration_s,
+            self.warmup_s,
+            self.slo.ttft_s.map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
+            self.slo.itl_s.map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
+        );
+        let oracle: BTreeMap<String, f64> = self
+            .oracle
+            .iter()
+            .map(|o| (format!("{:.3}", o.rate), o.hit_ratio))
+            .collect();
+        for &rate in &self.rates {
+            out.push_str(&format!("## {rate:.2} requests/s"));
+            if let Some(h) = oracle.get(&format!("{rate:.3}")) {
+                out.push_str(&format!(" (oracle prefix hit ratio {:.1}%)", h * 100.0));
+            }
+            out.push_str("\n\n| target | ok | shed | err | offered/s | req/s | goodput req/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 / p99 ms | e2e p95 ms | out tok/s | prefix hit | replica spread (max/min) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+            for r in self.runs.iter().filter(|r| r.rate == rate) {
+                let counts: Vec<usize> = r.per_replica.values().copied().collect();
+                let spread = match (counts.iter().max(), counts.iter().min()) {
+                    (Some(&a), Some(&b)) if b > 0 => format!("{:.2}", a as f64 / b as f64),
+                    _ => "-".into(),
+                };
+                out.push_str(&format!(
+                    "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} / {} / {} | {} / {} / {} | {} | {:.0} | {:.1}% | {} ({} replicas) |\n",
+                    r.target,
+                    r.ok,
+                    r.shed,
+                    r.errors,
+                    r.offered_per_s,
+                    r.requests_per_s,
+                    r.goodput_requests_per_s,
+                    ms(&r.ttft_s, |x| x.p50),
+                    ms(&r.ttft_s, |x| x.p95),
+                    ms(&r.ttft_s, |x| x.p99),
+                    ms(&r.inter_token_s, |x| x.p50),
+                    ms(&r.inter_token_s, |x| x.p95),
+                    ms(&r.inter_token_s, |x| x.p99),
+                    ms(&r.e2e_s, |x| x.p95),
+                    r.output_tokens_per_s,
+                    r.prefix_hit_ratio * 100.0,
+                    spread,
+                    counts.len(),
+                ));
+            }
+            out.push('\n');
+        }
+        out.push_str("## Knee (highest rate at which ≥ 90% of offered requests met the SLO)\n\n| target | knee rate |\n|---|---|\n");
+        for k in &self.knees {
+            out.push_str(&format!(
+                "| {} | {} |\n",
+                k.target,
+                k.rate
+                    .map_or("below the lowest rate".into(), |r| format!("{r:.2}/s"))
+            ));
+        }
+        if !self.flush_errors.is_empty() {
+            out.push_str(&format!(
+                "\nFlush errors (runs may not have started cold): {:?}\n",
+                self.flush_errors
+            ));
+        }
+        out
+    }
+
+    /// Writes report.json, report.md and the plots into `dir`; returns the files written.
+    pub fn write(&self, dir: &Path) -> std::io::Result<(Vec<PathBuf>, Option<String>)> {
+        std::fs::create_dir_all(dir)?;
+        let mut files = Vec::new();
+        let json = dir.join("report.json");
+        std::fs::write(&json, serde_json::to_vec_pretty(self)?)?;
+        files.push(json);
+        let md = dir.join("report.md");
+        std::fs::write(&md, self.markdown())?;
+        files.push(md);
+        match crate::plot::write_all(self, dir) {
+            Ok(mut p) => {
+                files.append(&mut p);
+                Ok((files, None))
+            }
+            Err(e) => Ok((files, Some(e))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_parse_with_and_without_names() {
+        let t = Target::parse("rr=http://127.0.0.1:1/");
+        assert_eq!(
+            (t.name.as_str(), t.url.as_str()),
+            ("rr", "http://127.0.0.1:1")
+        );
+        let t = Target::parse("http://h:2?a=b");
+        assert_eq!(t.name, "http://h:2?a=b");
+    }
+}
