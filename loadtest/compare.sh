@@ -5,7 +5,9 @@
 #   loadtest/compare.sh [--smoke] [--out DIR] [extra `kvgate bench` args, which override ours]
 # Env: KVGATE_BIN (default target/release/kvgate, built if missing), KVGATE_RATES (4,8,12),
 #   KVGATE_TIME_SCALE (1), KVGATE_REPLICAS (8; 2 with --smoke), KVGATE_REPLICA_ARGS,
-#   KVGATE_SGLANG_VENV (.venv-sglang), KVGATE_SGLANG_ARGS (appended to launch_router).
+#   KVGATE_SGLANG_VENV (.venv-sglang), KVGATE_SGLANG_ARGS (appended to launch_router),
+#   KVGATE_SGLANG=0 (leave sglang-router out), KVGATE_POLICY_FILES ("name=file.toml ..."):
+#   instead of the five policy gateways, one gateway per policy file (KV events on).
 # Writes DIR/report.json, DIR/report.md and plots (bench), DIR/setup.txt and DIR/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -99,16 +101,21 @@ json_check() {
 
 # sglang-router in a virtualenv; in --smoke a failed install skips it instead of failing.
 sglang_ok=0
+want_sglang=${KVGATE_SGLANG:-1}
 sglang_ready() {
   [ -x "$venv/bin/python" ] &&
     "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("sglang-router") != "0.3.2")' 2>/dev/null
 }
-if ! sglang_ready; then
+if [ "$want_sglang" = 0 ]; then
+  :
+elif ! sglang_ready; then
   echo "installing sglang-router 0.3.2 into $venv (log: $logs/pip.log)"
   { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } >"$logs/pip.log" 2>&1 &&
     "$venv/bin/pip" install --retries 2 sglang-router==0.3.2 >>"$logs/pip.log" 2>&1 || true
 fi
-if sglang_ready; then
+if [ "$want_sglang" = 0 ]; then
+  echo "sglang-router left out (KVGATE_SGLANG=0)"
+elif sglang_ready; then
   sglang_ok=1
 elif [ "$smoke" = 1 ]; then
   echo "compare.sh: SKIPPING sglang_cache_aware: could not install sglang-router 0.3.2 into $venv (no network?); see $logs/pip.log" >&2
@@ -140,14 +147,20 @@ echo "replicas: ${replica_urls[*]}"
 targets=()
 replicas_toml=$(printf '"%s", ' "${replica_addrs[@]}")
 replicas_toml="[${replicas_toml%, }]"
-start_gateway() { # NAME KIND KV_EVENTS
-  local name=$1 port admin pid
+start_gateway() { # NAME KIND KV_EVENTS [POLICY_FILE]
+  local name=$1 port admin pid policy
   port=$(free_port)
   admin=$(free_port)
+  if [ -n "${4:-}" ]; then
+    policy="policy_file = \"$(cd "$(dirname "$4")" && pwd)/$(basename "$4")\""
+  else
+    policy=""
+  fi
   cat >"$work/$name.toml" <<TOML
 listen = "127.0.0.1:$port"
 admin_listen = "127.0.0.1:$admin"
 replicas = $replicas_toml
+$policy
 [model]
 tokenizer_dir = "$tokenizer"
 [index]
@@ -167,11 +180,17 @@ TOML
   targets+=("$name=http://127.0.0.1:$port")
   echo "gateway $name: http://127.0.0.1:$port (admin http://127.0.0.1:$admin)"
 }
-start_gateway round_robin round_robin false
-start_gateway least_load least_load false
-start_gateway consistent_hash consistent_hash false
-start_gateway prefix_aware_approx prefix_aware false
-start_gateway prefix_aware_events prefix_aware true
+if [ -n "${KVGATE_POLICY_FILES:-}" ]; then
+  for spec in $KVGATE_POLICY_FILES; do
+    start_gateway "${spec%%=*}" prefix_aware true "${spec#*=}"
+  done
+else
+  start_gateway round_robin round_robin false
+  start_gateway least_load least_load false
+  start_gateway consistent_hash consistent_hash false
+  start_gateway prefix_aware_approx prefix_aware false
+  start_gateway prefix_aware_events prefix_aware true
+fi
 
 # sglang-router, cache_aware with its default thresholds spelled out; its metrics port kept
 # on loopback; a worker that cannot register fails in 30 s instead of 30 min.

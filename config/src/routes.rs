@@ -166,7 +166,9 @@ pub struct PolicyFile {
     /// Shown by `GET /admin/policy`; a hash of the text when absent.
     #[serde(default)]
     pub version: Option<String>,
-    /// A replica whose KV usage is above this gets no new request.
+    /// A busy replica whose KV usage — as last reported, plus the prompts sent since and this
+    /// one — would exceed this gets no new request: past it, requests wait at the replica for
+    /// memory or push others out (preemption). The rest leaves room for decode growth.
     #[serde(default = "default_kv_high_water")]
     pub kv_high_water: f64,
     /// After a replica reports new preemptions, it gets no new request for this long.
@@ -194,7 +196,7 @@ fn default_true() -> bool {
     true
 }
 fn default_kv_high_water() -> f64 {
-    0.95
+    0.9
 }
 fn default_headroom() -> f64 {
     0.9

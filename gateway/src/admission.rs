@@ -3,8 +3,8 @@
 //!
 //! Per replica, a [`LatencyModel`] learns from what the gateway forwards: the prefill rate
 //! (uncached prompt tokens per second, from observed TTFTs and the work queued ahead) and the
-//! inter-token gap as a function of the running batch — the knee, learnt as an EWMA per batch
-//! bucket and interpolated between buckets. [`admissible`] asks: would this request's predicted
+//! p95 inter-token gap as a function of the running batch — the knee, learnt per batch bucket
+//! and interpolated between buckets. [`admissible`] asks: would this request's predicted
 //! TTFT (work ahead plus its own uncached tokens at the learnt rate) and the predicted gap with
 //! one more sequence both meet the route's SLO, and are the leading indicators (preemptions
 //! rising, KV usage above the high-water mark) quiet? A replica with no observations yet is
@@ -79,6 +79,33 @@ impl Ewma {
     }
 }
 
+/// A running estimate of the 95th percentile (stochastic approximation): each sample above the
+/// estimate moves it up by `0.95 × step`, each below it down by `0.05 × step`, so it
+/// settles where 5% of samples lie above. The step is a fraction of the running mean, so the
+/// estimate adapts at the scale of what it tracks. Inter-token promises are p95 promises, and
+/// gaps are bimodal under chunked prefill (decode steps, and the rarer steps that also carry a
+/// prefill chunk): a mean would hide exactly the stalls the promise is about.
+#[derive(Debug, Clone, Copy, Default)]
+struct P95 {
+    mean: Ewma,
+    q: Option<f64>,
+}
+
+impl P95 {
+    const STEP: f64 = 0.1;
+
+    fn add(&mut self, x: f64) {
+        self.mean.add(x);
+        let scale = self.mean.0.unwrap_or(x) * Self::STEP;
+        self.q = Some(match self.q {
+            None => x,
+            Some(q) if x > q => q + 0.95 * scale,
+            Some(q) if x < q => (q - 0.05 * scale).max(0.0),
+            Some(q) => q,
+        });
+    }
+}
+
 /// Upper edges of the batch buckets the inter-token gap is learnt in.
 const BATCH_BUCKETS: [u32; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
 
@@ -93,7 +120,7 @@ fn bucket(batch: u32) -> usize {
 #[derive(Debug, Clone, Default)]
 pub struct LatencyModel {
     prefill_tokens_per_s: Ewma,
-    itl_by_batch: [Ewma; BATCH_BUCKETS.len()],
+    itl_by_batch: [P95; BATCH_BUCKETS.len()],
 }
 
 impl LatencyModel {
@@ -120,13 +147,13 @@ impl LatencyModel {
         Some(Duration::from_secs_f64((ahead + tokens) as f64 / rate))
     }
 
-    /// The gap at `batch`: interpolated between the learnt buckets around it, extrapolated
+    /// The p95 gap at `batch`: interpolated between the learnt buckets around it, extrapolated
     /// along the last learnt slope beyond them.
     pub fn predict_itl(&self, batch: u32) -> Option<Duration> {
         let known: Vec<(f64, f64)> = BATCH_BUCKETS
             .iter()
             .zip(&self.itl_by_batch)
-            .filter_map(|(&b, e)| e.0.map(|v| (f64::from(b), v)))
+            .filter_map(|(&b, e)| e.q.map(|v| (f64::from(b), v)))
             .collect();
         let x = f64::from(batch.max(1));
         let y = match known.as_slice() {
@@ -192,7 +219,8 @@ pub fn admissible(
     if p.preempting {
         return Err(Hold::Preempting);
     }
-    if p.kv_usage > kv_high_water {
+    // An idle replica takes whatever fits at all; the replica itself refuses what never does.
+    if p.running > 0 && p.kv_usage > kv_high_water {
         return Err(Hold::KvHighWater { usage: p.kv_usage });
     }
     if let (Some(target), Some(predicted)) = (
@@ -440,6 +468,7 @@ mod tests {
             Err(Hold::Preempting)
         );
         let full = ReplicaPressure {
+            running: 4,
             kv_usage: 0.95,
             ..ReplicaPressure::default()
         };
@@ -447,6 +476,12 @@ mod tests {
             admissible(&m, &full, 10, &slo(), 0.9),
             Err(Hold::KvHighWater { usage: 0.95 })
         );
+        // An idle replica takes a prompt that fills most of its cache.
+        let idle = ReplicaPressure {
+            kv_usage: 0.95,
+            ..ReplicaPressure::default()
+        };
+        assert_eq!(admissible(&m, &idle, 10, &slo(), 0.9), Ok(()));
     }
 
     #[test]
@@ -497,6 +532,27 @@ mod tests {
         assert_eq!(shed[0].1.retry_after_secs(), 1);
         assert_eq!(q.head(), Some(b));
         assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn itl_tracks_the_p95_not_the_mean() {
+        // Decode steps of 80 ms, and one step in ten also carries a 600 ms prefill chunk: the
+        // mean is 132 ms, but 10% of gaps are stalls, so the p95 is a stall.
+        let mut m = LatencyModel::default();
+        for i in 0..4000 {
+            let gap = if i % 10 == 0 { 600 * MS } else { 80 * MS };
+            m.observe_itl(16, gap);
+        }
+        let p = m.predict_itl(16).unwrap().as_secs_f64();
+        assert!(p > 0.3, "{p}");
+        // One stall in a hundred stays under the p95.
+        let mut m = LatencyModel::default();
+        for i in 0..4000 {
+            let gap = if i % 100 == 0 { 600 * MS } else { 80 * MS };
+            m.observe_itl(16, gap);
+        }
+        let p = m.predict_itl(16).unwrap().as_secs_f64();
+        assert!(p < 0.12, "{p}");
     }
 
     #[test]

@@ -190,7 +190,9 @@ impl GatewayState {
         let mut exclude: Vec<usize> = (0..registry.replicas.len())
             .filter(|i| !route.pool.contains(i))
             .collect();
+        let outside = exclude.clone();
         let mut hold: Option<&'static str> = None;
+        let mut held: Vec<(usize, &'static str)> = Vec::new();
         if cfg.admission {
             let h = a.file.admission_headroom;
             let slo = Slo {
@@ -202,7 +204,7 @@ impl GatewayState {
                 if !registry.replicas[i].is_healthy() {
                     continue;
                 }
-                let pressure = registry.pressure(i, holdoff);
+                let pressure = registry.pressure(i, holdoff, p.prompt_tokens as u64);
                 let verdict = admissible(
                     &self.models[i].lock(),
                     &pressure,
@@ -213,6 +215,36 @@ impl GatewayState {
                 if let Err(h) = verdict {
                     exclude.push(i);
                     hold.get_or_insert(h.label());
+                    held.push((i, h.label()));
+                }
+            }
+        }
+        // Affinity patience: when the replica the policy prefers (ignoring admission) is held
+        // and no admissible replica holds as much of the prompt, wait for it rather than send
+        // the request where it must be prefilled again — that extra prefill is what stalls
+        // everyone's decode and breaks the promise admission is keeping. After half the TTFT
+        // budget, take an admissible replica anyway.
+        let patience = route
+            .slo
+            .ttft
+            .map_or(Duration::from_millis(cfg.queue_timeout_ms / 2), |t| {
+                t.mul_f64(a.file.admission_headroom / 2.0)
+            });
+        if !held.is_empty() && waited < patience {
+            if let Ok(pref) =
+                self.router
+                    .decide_in(route.policy.as_ref(), p, &matched, &outside, true)
+            {
+                if let Some(&(_, why)) = held.iter().find(|(i, _)| *i == pref.replica) {
+                    let best_admissible = route
+                        .pool
+                        .iter()
+                        .filter(|i| !exclude.contains(i))
+                        .map(|&i| matched[i])
+                        .max();
+                    if best_admissible.is_some_and(|b| b < matched[pref.replica]) {
+                        return Err(Wait::Hold(why));
+                    }
                 }
             }
         }
@@ -298,6 +330,9 @@ impl GatewayState {
             if my_turn {
                 match self.try_dispatch(a, route, p, waited) {
                     Ok((d, matched)) => {
+                        self.router
+                            .registry
+                            .note_dispatch(d.replica, p.prompt_tokens as u64);
                         let pending = PendingPrefill::new(
                             self.router.registry.replicas[d.replica].clone(),
                             self.uncached(p, &matched, d.replica),

@@ -57,6 +57,11 @@ pub struct ReplicaHandle {
     preemptions: AtomicU64,
     /// Registry-clock milliseconds + 1 of the last poll that saw preemptions rise (0: never).
     preempted_at_ms: AtomicU64,
+    /// KV cache capacity in tokens (`max_total_num_tokens`; 0 when the replica does not say).
+    capacity_tokens: AtomicU64,
+    /// Prompt tokens this gateway sent there since the last load report: the KV the report
+    /// does not show yet.
+    since_poll_tokens: AtomicU64,
 }
 
 impl ReplicaHandle {
@@ -78,6 +83,8 @@ impl ReplicaHandle {
             pending_prefill: AtomicU64::new(0),
             preemptions: AtomicU64::new(u64::MAX),
             preempted_at_ms: AtomicU64::new(0),
+            capacity_tokens: AtomicU64::new(0),
+            since_poll_tokens: AtomicU64::new(0),
         }
     }
 
@@ -212,16 +219,38 @@ impl Registry {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Replica `slot` as admission sees it; preemptions count as rising for `holdoff` after a
-    /// poll saw the counter grow.
-    pub fn pressure(&self, slot: usize, holdoff: Duration) -> crate::admission::ReplicaPressure {
+    /// Records `tokens` of prompt sent to replica `slot` (projected KV until the next report).
+    pub fn note_dispatch(&self, slot: usize, tokens: u64) {
+        self.replicas[slot]
+            .since_poll_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// Replica `slot` as admission sees it for a request of `own_tokens` prompt tokens: KV
+    /// usage is projected from the last report plus what was sent since plus this request (the
+    /// report lags by up to a poll interval, and a burst admitted inside one would otherwise all
+    /// see the old figure); preemptions count as rising for `holdoff` after a poll saw the
+    /// counter grow.
+    pub fn pressure(
+        &self,
+        slot: usize,
+        holdoff: Duration,
+        own_tokens: u64,
+    ) -> crate::admission::ReplicaPressure {
         let r = &self.replicas[slot];
         let l = r.load();
         let at = r.preempted_at_ms.load(Ordering::Relaxed);
+        let capacity = r.capacity_tokens.load(Ordering::Relaxed);
+        let projected = if capacity > 0 {
+            let extra = r.since_poll_tokens.load(Ordering::Relaxed) + own_tokens;
+            l.kv_usage + extra as f64 / capacity as f64
+        } else {
+            l.kv_usage
+        };
         crate::admission::ReplicaPressure {
             running: l.requests(),
             queued_prefill_tokens: r.pending_prefill.load(Ordering::Relaxed),
-            kv_usage: l.kv_usage,
+            kv_usage: projected,
             preempting: at > 0 && self.now_ms() + 1 < at + holdoff.as_millis() as u64,
         }
     }
@@ -319,6 +348,10 @@ impl Registry {
             .and_then(|x| x.as_f64())
             .unwrap_or(0.0);
         r.kv_usage_bits.store(kv.to_bits(), Ordering::Relaxed);
+        r.since_poll_tokens.store(0, Ordering::Relaxed);
+        if let Some(c) = first.get("max_total_num_tokens").and_then(|x| x.as_u64()) {
+            r.capacity_tokens.store(c, Ordering::Relaxed);
+        }
         if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
             let before = r.preemptions.swap(p, Ordering::Relaxed);
             if before != u64::MAX && p > before {

@@ -312,11 +312,13 @@ async fn admin_handle(
                     let pressure = reg.pressure(
                         r.slot,
                         Duration::from_millis(state.policies.load().file.preemption_holdoff_ms),
+                        0,
                     );
                     serde_json::json!({
                         "name": r.name,
                         "pending_prefill_tokens": pressure.queued_prefill_tokens,
                         "preempting": pressure.preempting,
+                        "projected_kv_usage": pressure.kv_usage,
                         "address": r.addr().map(|a| a.to_string()),
                         "healthy": r.is_healthy(),
                         "kv_events": r.events_live(),

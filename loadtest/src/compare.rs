@@ -201,7 +201,7 @@ impl CompareReport {
             if let Some(h) = oracle.get(&format!("{rate:.3}")) {
                 out.push_str(&format!(" (oracle prefix hit ratio {:.1}%)", h * 100.0));
             }
-            out.push_str("\n\n| target | ok | shed | err | offered/s | req/s | goodput req/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 / p99 ms | e2e p95 ms | out tok/s | prefix hit | replica spread (max/min) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+            out.push_str("\n\n| target | ok | shed | err | offered/s | req/s | goodput req/s | TTFT p50 / p95 / p99 ms | short-prompt TTFT p99 ms | ITL p50 / p95 / p99 ms | e2e p95 ms | out tok/s | prefix hit | replica spread (max/min) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
             for r in self.runs.iter().filter(|r| r.rate == rate) {
                 let counts: Vec<usize> = r.per_replica.values().copied().collect();
                 let spread = match (counts.iter().max(), counts.iter().min()) {
@@ -209,7 +209,7 @@ impl CompareReport {
                     _ => "-".into(),
                 };
                 out.push_str(&format!(
-                    "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} / {} / {} | {} / {} / {} | {} | {:.0} | {:.1}% | {} ({} replicas) |\n",
+                    "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} / {} / {} | {} | {} / {} / {} | {} | {:.0} | {:.1}% | {} ({} replicas) |\n",
                     r.target,
                     r.ok,
                     r.shed,
@@ -220,6 +220,7 @@ impl CompareReport {
                     ms(&r.ttft_s, |x| x.p50),
                     ms(&r.ttft_s, |x| x.p95),
                     ms(&r.ttft_s, |x| x.p99),
+                    ms(&r.ttft_short_s, |x| x.p99),
                     ms(&r.inter_token_s, |x| x.p50),
                     ms(&r.inter_token_s, |x| x.p95),
                     ms(&r.inter_token_s, |x| x.p99),

@@ -16,6 +16,9 @@ use crate::stats::Summary;
 use crate::trace::Trace;
 use crate::workload::{generate, Kind, WorkItem};
 
+/// Prompts under this many tokens count as short in `ttft_short_s`.
+pub const SHORT_PROMPT_TOKENS: u64 = 8192;
+
 /// What to send.
 #[derive(Debug, Clone)]
 pub enum Workload {
@@ -129,6 +132,9 @@ pub struct Report {
     pub good: usize,
     pub goodput_requests_per_s: f64,
     pub ttft_s: Option<Summary>,
+    /// TTFT of requests whose prompts are under 8,192 tokens: the short ones a long prefill
+    /// can stall.
+    pub ttft_short_s: Option<Summary>,
     pub inter_token_s: Option<Summary>,
     pub e2e_s: Option<Summary>,
     /// Cached prompt tokens / prompt tokens over measured requests.
@@ -233,6 +239,11 @@ pub fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
     // target completes what arrives in it (answers still draining afterwards included).
     let window = (spec.duration.as_secs_f64() - warm).max(1e-9);
     let ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft_s).collect();
+    let ttft_short: Vec<f64> = ok
+        .iter()
+        .filter(|s| s.prompt_tokens < SHORT_PROMPT_TOKENS)
+        .filter_map(|s| s.ttft_s)
+        .collect();
     let itl: Vec<f64> = ok
         .iter()
         .flat_map(|s| s.inter_token_s.iter().copied())
@@ -267,6 +278,7 @@ pub fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
         good,
         goodput_requests_per_s: good as f64 / window,
         ttft_s: Summary::of(&ttft),
+        ttft_short_s: Summary::of(&ttft_short),
         inter_token_s: Summary::of(&itl),
         e2e_s: Summary::of(&e2e),
         prefix_hit_ratio: if prompt > 0 {

@@ -199,6 +199,7 @@ pub fn get_load(state: &AppState) -> Response<Body> {
             "num_waiting_reqs": waiting,
             "num_running_reqs": running,
             "num_tokens": s.running_tokens.load(Relaxed),
+            "max_total_num_tokens": state.engine.limits().num_blocks * state.engine.limits().block_size,
             "kv_cache_usage": s.kv_usage(),
             "preemptions": s.preemptions.load(Relaxed),
         }]),
