@@ -42,15 +42,17 @@ struct BenchArgs {
     /// Target base URL, or NAME=URL; repeat to compare targets in one interleaved run.
     #[arg(long = "target", required = true)]
     targets: Vec<String>,
+    /// Model name sent in every request (the served name).
     #[arg(long, default_value = "Qwen3-8B")]
     model: String,
     /// chat, agent, rag, mixed-tail or trace (with --trace).
     #[arg(long, default_value = "chat")]
     workload: String,
-    /// JSONL trace to replay (timestamp + prompt or messages + max_tokens per line).
+    /// JSONL trace to replay (timestamp + prompt or messages + max_tokens per line). Its
+    /// spacing is kept, rescaled so the mean rate equals --rate / each of --rates.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Arrival rate, requests per second (one rate).
+    /// Arrival rate, requests per second (one rate; 2 when neither --rate nor --rates is given).
     #[arg(long, conflicts_with = "rates")]
     rate: Option<f64>,
     /// Rate sweep, e.g. 2,4,8 (every target at every rate).
@@ -62,9 +64,11 @@ struct BenchArgs {
     /// Upper bound on requests sent per run.
     #[arg(long, default_value_t = 10_000)]
     max_requests: usize,
-    /// Seconds at the start of each run whose requests are not reported.
+    /// Seconds at the start of each run whose requests are not reported (must be shorter than
+    /// --duration).
     #[arg(long, default_value_t = 5.0)]
     warmup: f64,
+    /// Seed of the arrival schedule and the workload (same seed, same requests).
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// TTFT target for goodput, milliseconds.
@@ -504,8 +508,12 @@ async fn run_bench(a: BenchArgs) -> Result<()> {
         }
         if report.ok == 0 {
             bail!(
-                "no request succeeded; first error: {:?}",
-                report.samples.iter().find_map(|s| s.error.clone())
+                "no request succeeded; first error: {}",
+                report
+                    .samples
+                    .iter()
+                    .find_map(|s| s.error.clone())
+                    .unwrap_or_else(|| "none recorded".into())
             );
         }
         return Ok(());
