@@ -173,8 +173,9 @@ impl GatewayState {
         a: &ActivePolicy,
         route: &ActiveRoute,
         p: &Prepared,
+        matched: &[usize],
         waited: Duration,
-    ) -> Result<(RouteDecision, Vec<usize>), Wait> {
+    ) -> Result<RouteDecision, Wait> {
         let (cfg, rt) = (&route.cfg, &route.rt);
         if cfg.max_concurrency.is_some_and(|m| rt.in_flight() >= m) {
             return Err(Wait::Hold("concurrency"));
@@ -186,7 +187,6 @@ impl GatewayState {
             return Err(Wait::Hold("token_budget"));
         }
         let registry = &self.router.registry;
-        let matched = self.router.matched(p);
         let mut exclude: Vec<usize> = (0..registry.replicas.len())
             .filter(|i| !route.pool.contains(i))
             .collect();
@@ -208,7 +208,7 @@ impl GatewayState {
                 let verdict = admissible(
                     &self.models[i].lock(),
                     &pressure,
-                    self.uncached(p, &matched, i),
+                    self.uncached(p, matched, i),
                     &slo,
                     a.file.kv_high_water,
                 );
@@ -233,7 +233,7 @@ impl GatewayState {
         if !held.is_empty() && waited < patience {
             if let Ok(pref) =
                 self.router
-                    .decide_in(route.policy.as_ref(), p, &matched, &outside, true)
+                    .decide_in(route.policy.as_ref(), p, matched, &outside, true)
             {
                 if let Some(&(_, why)) = held.iter().find(|(i, _)| *i == pref.replica) {
                     let best_admissible = route
@@ -250,9 +250,9 @@ impl GatewayState {
         }
         match self
             .router
-            .decide_in(route.policy.as_ref(), p, &matched, &exclude, false)
+            .decide_in(route.policy.as_ref(), p, matched, &exclude, false)
         {
-            Ok(d) => Ok((d, matched)),
+            Ok(d) => Ok(d),
             Err(e) => match hold {
                 Some(h) => Err(Wait::Hold(h)),
                 None => Err(Wait::Fail(e)),
@@ -277,6 +277,7 @@ impl GatewayState {
         a: &ActivePolicy,
         route: &ActiveRoute,
         p: &Prepared,
+        matched: &[usize],
         waited: Duration,
     ) -> bool {
         let Some(target) = route.slo.ttft.map(|t| t.mul_f64(a.file.admission_headroom)) else {
@@ -285,7 +286,6 @@ impl GatewayState {
         if !route.cfg.admission {
             return false;
         }
-        let matched = self.router.matched(p);
         let best = route
             .pool
             .iter()
@@ -293,7 +293,7 @@ impl GatewayState {
             .map(|&i| {
                 self.models[i]
                     .lock()
-                    .predict_ttft(0, self.uncached(p, &matched, i))
+                    .predict_ttft(0, self.uncached(p, matched, i))
                     .unwrap_or(Duration::ZERO)
             })
             .min()
@@ -327,9 +327,11 @@ impl GatewayState {
                 None => rt.queue.is_empty(),
                 Some(q) => rt.queue.head() == Some(q.ticket),
             };
+            // The index lookup once per attempt, shared by placement and the deadline check.
+            let matched = self.router.matched(p);
             if my_turn {
-                match self.try_dispatch(a, route, p, waited) {
-                    Ok((d, matched)) => {
+                match self.try_dispatch(a, route, p, &matched, waited) {
+                    Ok(d) => {
                         self.router
                             .registry
                             .note_dispatch(d.replica, p.prompt_tokens as u64);
@@ -380,7 +382,7 @@ impl GatewayState {
                 Some(Shed::Timeout {
                     retry_after: retry(),
                 })
-            } else if self.deadline_gone(a, route, p, waited) {
+            } else if self.deadline_gone(a, route, p, &matched, waited) {
                 Some(Shed::DeadlineGone {
                     retry_after: retry(),
                 })

@@ -362,20 +362,16 @@ async fn reloads_are_validated_atomic_and_lossless() {
     assert!(seen.iter().any(|s| s.route.as_deref() == Some("chat")));
     assert_eq!(g.metric("kvgate_gateway_policy_last_reload_ok").await, 1.0);
     // The explicit reload endpoint answers with the active policy, or 400 and the reason.
-    let r = g
-        .client
-        .post(format!("{}/admin/policy/reload", g.admin))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    let reload = || async {
+        g.client
+            .post(format!("{}/admin/policy/reload", g.admin))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    assert_eq!(reload().await, 200);
     file.replace("[[routes]]\nname = \"x\"\nnonsense = true\n");
-    let r = g
-        .client
-        .post(format!("{}/admin/policy/reload", g.admin))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
+    assert_eq!(reload().await, 400);
     assert_eq!(g.admin_json("/admin/policy").await["version"], "v2");
 }
