@@ -55,6 +55,8 @@ fi
 
 work=$(mktemp -d)
 pids=()
+# One fleet token for the replicas, the kvgate gateways (KV events) and the bench (flush).
+export KVGATE_FLEET_TOKEN=${KVGATE_FLEET_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(24))')}
 any_alive() {
   local p
   for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done
@@ -154,7 +156,13 @@ start_gateway() { # NAME KIND KV_EVENTS [POLICY_FILE]
   if [ -n "${4:-}" ]; then
     policy="policy_file = \"$(cd "$(dirname "$4")" && pwd)/$(basename "$4")\""
   else
-    policy=""
+    # One catch-all route with the policy; exact hit signals, since the bench reads them.
+    cat >"$work/$name-policy.toml" <<TOML
+hit_signals = "exact"
+[policy]
+kind = "$2"
+TOML
+    policy="policy_file = \"$work/$name-policy.toml\""
   fi
   cat >"$work/$name.toml" <<TOML
 listen = "127.0.0.1:$port"

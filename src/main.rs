@@ -103,6 +103,10 @@ struct GatewayArgs {
     /// The gateway file (see config/gateway.toml).
     #[arg(long, default_value = "config/gateway.toml")]
     config: PathBuf,
+    /// Validate the gateway file, the policy file, the API key file and the secrets, print
+    /// what would run, and exit (non-zero when something is wrong).
+    #[arg(long)]
+    check: bool,
 }
 
 #[derive(Args)]
@@ -201,6 +205,16 @@ struct ReplicaArgs {
     /// Multiply every modelled step time (sim only; 1.0 = real time).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// File holding the fleet token (env KVGATE_FLEET_TOKEN wins). Without one, the internal
+    /// endpoints (/kv_events, /flush_cache, /tokenize, /detokenize) are refused.
+    #[arg(long)]
+    fleet_token_file: Option<PathBuf>,
+    /// Require the fleet token on /v1/* too, so clients cannot go around the gateway.
+    #[arg(long)]
+    restrict_api: bool,
+    /// On SIGTERM: seconds requests in progress may take to finish.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout_s: u64,
     /// Exit when standard input closes (used by `kvgate up`, so replicas never outlive it).
     #[arg(long, hide = true)]
     exit_with_stdin: bool,
@@ -259,6 +273,19 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     cfg.compute_efficiency = a.model.compute_efficiency;
     cfg.bandwidth_efficiency = a.model.bandwidth_efficiency;
     cfg.time_scale = a.time_scale;
+    cfg.fleet_token = gateway::auth::read_secret(
+        gateway::auth::FLEET_TOKEN_ENV,
+        a.fleet_token_file.as_ref().and_then(|p| p.to_str()),
+    )
+    .map_err(|e| anyhow!(e))?;
+    cfg.restrict_api = a.restrict_api;
+    cfg.drain_timeout = std::time::Duration::from_secs(a.drain_timeout_s);
+    if cfg.fleet_token.is_none() {
+        tracing::warn!(
+            "no fleet token (KVGATE_FLEET_TOKEN or --fleet-token-file): /kv_events, /flush_cache, \
+             /tokenize and /detokenize are refused, so a gateway routes without KV events"
+        );
+    }
     let server = replica::build_server(cfg, listener).await?;
     let addr = server.local_addr();
     let info = server.state().info.clone();
@@ -309,21 +336,90 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_gateway(a: GatewayArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.config)
-        .with_context(|| format!("cannot read {}", a.config.display()))?;
+/// Reads the gateway file; paths in it are relative to its folder.
+fn load_gateway_file(path: &std::path::Path) -> Result<config::GatewayConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut cfg = config::GatewayConfig::from_toml(&text)
-        .with_context(|| format!("invalid gateway file {}", a.config.display()))?;
-    if let Some(p) = &cfg.policy_file {
-        let dir = a.config.parent().unwrap_or(std::path::Path::new("."));
-        cfg.policy_file = Some(dir.join(p).display().to_string());
-    }
-    serve_gateway(cfg, shutdown_signal()).await
+        .with_context(|| format!("invalid gateway file {}", path.display()))?;
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    let rel = |p: &Option<String>| p.as_ref().map(|p| dir.join(p).display().to_string());
+    cfg.policy_file = rel(&cfg.policy_file);
+    cfg.auth.api_keys_file = rel(&cfg.auth.api_keys_file);
+    cfg.auth.admin_token_file = rel(&cfg.auth.admin_token_file);
+    cfg.auth.fleet_token_file = rel(&cfg.auth.fleet_token_file);
+    cfg.config_path = Some(path.to_path_buf());
+    Ok(cfg)
 }
 
+/// `kvgate gateway --check`: everything `kvgate gateway` would load, validated, nothing bound.
+fn check_gateway(path: &std::path::Path) -> Result<()> {
+    let cfg = load_gateway_file(path)?;
+    println!("{}: ok ({} replicas)", path.display(), cfg.replicas.len());
+    match &cfg.policy_file {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {p}"))?;
+            let f = config::PolicyFile::from_toml(&text, &cfg.replicas)
+                .with_context(|| format!("invalid policy file {p}"))?;
+            let names: Vec<&str> = f.routes.iter().map(|r| r.name.as_str()).collect();
+            println!("{p}: ok (routes: {})", names.join(", "));
+        }
+        None => println!("no policy file: one catch-all route with [policy]"),
+    }
+    let keys = gateway::auth::ApiKeyStore::new(cfg.auth.api_keys_file.as_ref().map(PathBuf::from))
+        .map_err(|e| anyhow!(e))?;
+    if keys.is_open() {
+        println!("API keys: none (the API is open to anyone who can reach it)");
+    } else {
+        println!("API keys: {} keys", keys.count());
+    }
+    let admin = gateway::auth::read_secret(
+        gateway::auth::ADMIN_TOKEN_ENV,
+        cfg.auth.admin_token_file.as_deref(),
+    )
+    .map_err(|e| anyhow!(e))?;
+    if admin.is_none() && !gateway::auth::is_loopback(&cfg.admin_listen) {
+        bail!(
+            "admin_listen {} is not loopback and there is no admin token ({} or auth.admin_token_file)",
+            cfg.admin_listen,
+            gateway::auth::ADMIN_TOKEN_ENV
+        );
+    }
+    let fleet = gateway::auth::read_secret(
+        gateway::auth::FLEET_TOKEN_ENV,
+        cfg.auth.fleet_token_file.as_deref(),
+    )
+    .map_err(|e| anyhow!(e))?;
+    println!(
+        "admin token: {}; fleet token: {}",
+        if admin.is_some() {
+            "set"
+        } else {
+            "none (loopback only)"
+        },
+        if fleet.is_some() {
+            "set"
+        } else {
+            "none (replicas will refuse KV events)"
+        }
+    );
+    Ok(())
+}
+
+async fn run_gateway(a: GatewayArgs) -> Result<()> {
+    if a.check {
+        return check_gateway(&a.config);
+    }
+    let cfg = load_gateway_file(&a.config)?;
+    serve_gateway(cfg, shutdown_signal(), 0).await
+}
+
+/// Runs the gateway until `shutdown`, then drains. Ready is announced once `wait_for`
+/// replicas are admitted (`kvgate up` waits for all of its own).
 async fn serve_gateway(
     cfg: config::GatewayConfig,
     shutdown: impl std::future::Future<Output = ()>,
+    wait_for: usize,
 ) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
@@ -332,11 +428,29 @@ async fn serve_gateway(
         .await
         .with_context(|| format!("cannot listen on {}", cfg.admin_listen))?;
     let model = cfg.model.name.clone();
+    let total = cfg.replicas.len();
     let server = gateway::build_gateway(cfg, listener, admin).await?;
     let (addr, admin_addr) = (server.local_addr(), server.admin_addr());
-    let healthy = server.state().router.registry.healthy_count();
+    let registry = server.state().router.registry.clone();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while registry.healthy_count() < wait_for {
+        if std::time::Instant::now() > deadline {
+            bail!(
+                "only {} of {wait_for} replicas passed their health check within 30 s",
+                registry.healthy_count()
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let healthy = registry.healthy_count();
+    if healthy == 0 {
+        eprintln!(
+            "warning: none of the {total} replicas answers /health yet; every request gets 503 \
+             until one does (the log names each replica that failed and why)"
+        );
+    }
     println!(
-        "kvgate gateway at http://{addr} ({healthy} healthy replicas); metrics and admin at http://{admin_addr}"
+        "kvgate gateway ready at http://{addr} ({healthy} of {total} replicas healthy); metrics and admin at http://{admin_addr}"
     );
     println!();
     println!("  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
@@ -348,12 +462,23 @@ async fn serve_gateway(
     Ok(())
 }
 
+/// A random token for `kvgate up`'s fleet (its replicas and its gateway share it).
+fn random_token() -> Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 24];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("cannot read /dev/urandom for the fleet token")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Starts `a.replicas` replica processes on free ports (all at once) and returns them with
 /// their addresses. Each child exits when our end of its stdin closes, so no replica outlives
 /// this process, however it ends.
 async fn start_replicas(
     a: &UpArgs,
     tokenizer: &std::path::Path,
+    fleet_token: &str,
 ) -> Result<Vec<(tokio::process::Child, String)>> {
     use tokio::io::AsyncBufReadExt;
     let exe = std::env::current_exe().context("cannot find the kvgate binary")?;
@@ -368,10 +493,17 @@ async fn start_replicas(
         .arg("--tokenizer")
         .arg(tokenizer)
         .arg("--exit-with-stdin")
+        // Only the gateway may reach them: internal endpoints and /v1/* need the fleet token.
+        .arg("--restrict-api")
+        .env(gateway::auth::FLEET_TOKEN_ENV, fleet_token)
         .args(&a.replica_args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true);
+        // Their own process group: a terminal's Ctrl-C reaches only `kvgate up`, which drains
+        // the gateway first and then stops the replicas.
+        #[cfg(unix)]
+        cmd.process_group(0);
         let mut child = cmd.spawn().context("cannot start a replica")?;
         let stdout = child.stdout.take().context("replica stdout")?;
         starting.push((child, tokio::io::BufReader::new(stdout).lines()));
@@ -414,10 +546,11 @@ async fn run_up(a: UpArgs) -> Result<()> {
                 .with_context(|| format!("unknown policy `{k}`"))
         })
         .transpose()?;
+    let fleet_token = random_token()?;
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let children = tokio::select! {
-        r = start_replicas(&a, &tokenizer) => r?,
+        r = start_replicas(&a, &tokenizer, &fleet_token) => r?,
         _ = &mut shutdown => {
             println!("interrupted while starting replicas; stopping them");
             return Ok(());
@@ -430,6 +563,7 @@ async fn run_up(a: UpArgs) -> Result<()> {
     cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
     cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
     cfg.model.name = served_model_name(&a.model);
+    cfg.auth.fleet_token = Some(fleet_token);
     match &a.policy_file {
         Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
         Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
@@ -444,10 +578,19 @@ async fn run_up(a: UpArgs) -> Result<()> {
         }
     }
     cfg.validate()?;
-    let result = serve_gateway(cfg, shutdown).await;
-    println!("stopping {} replicas", children.len());
+    let n = children.len();
+    let result = serve_gateway(cfg, shutdown, n).await;
+    // The gateway has drained: nothing is in flight at the replicas. Closing their stdin
+    // makes each drain and exit; one that does not within 10 s is killed.
+    println!("stopping {n} replicas");
     for (mut child, _) in children {
-        let _ = child.kill().await;
+        drop(child.stdin.take());
+        match tokio::time::timeout(std::time::Duration::from_secs(10), child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                let _ = child.kill().await;
+            }
+        }
     }
     result
 }

@@ -30,6 +30,11 @@ pub struct ModelConfig {
     /// Replicas' KV block size in tokens.
     #[serde(default = "default_block_size")]
     pub block_size: usize,
+    /// Longest prompt in tokens. Unset: the smallest `max_model_len` the replicas report on
+    /// `/v1/models`, or 131072 until one does. Prompts over it are refused before they are
+    /// tokenised in full.
+    #[serde(default)]
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for ModelConfig {
@@ -38,6 +43,123 @@ impl Default for ModelConfig {
             name: default_model(),
             tokenizer_dir: None,
             block_size: default_block_size(),
+            max_model_len: None,
+        }
+    }
+}
+
+/// What one client connection may cost the gateway: deadlines for the request header and body,
+/// the header's size, the number of open connections, tokeniser concurrency and the drain.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DownstreamConfig {
+    /// From a request's first byte to the end of its header.
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout_ms: u64,
+    /// From the end of the header to the end of the body.
+    #[serde(default = "default_body_timeout")]
+    pub body_timeout_ms: u64,
+    /// How long an idle kept-alive connection is held open.
+    #[serde(default = "default_keepalive")]
+    pub keepalive_timeout_s: u64,
+    /// Largest request header (431 with an OpenAI error body beyond).
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: usize,
+    /// Most header lines in one request (431 beyond).
+    #[serde(default = "default_max_headers")]
+    pub max_headers: usize,
+    /// Open client connections at most; beyond it new ones get a 503 and are closed at once.
+    /// Clamped to fit the process's open-file limit (each request also holds an upstream
+    /// connection).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Prompts tokenised at once (0: one per CPU core).
+    #[serde(default)]
+    pub tokenize_concurrency: usize,
+    /// Longest wait for a tokeniser slot before the request is shed with 429.
+    #[serde(default = "default_tokenize_wait")]
+    pub tokenize_queue_timeout_ms: u64,
+    /// Prompt tokens of one request at most, summed over a batched prompt list.
+    #[serde(default = "default_max_request_prompt_tokens")]
+    pub max_request_prompt_tokens: usize,
+    /// On SIGTERM: how long in-flight requests may finish before the gateway exits anyway.
+    #[serde(default = "default_drain_timeout")]
+    pub drain_timeout_s: u64,
+}
+
+impl Default for DownstreamConfig {
+    fn default() -> Self {
+        DownstreamConfig {
+            header_timeout_ms: default_header_timeout(),
+            body_timeout_ms: default_body_timeout(),
+            keepalive_timeout_s: default_keepalive(),
+            max_header_bytes: default_max_header_bytes(),
+            max_headers: default_max_headers(),
+            max_connections: default_max_connections(),
+            tokenize_concurrency: 0,
+            tokenize_queue_timeout_ms: default_tokenize_wait(),
+            max_request_prompt_tokens: default_max_request_prompt_tokens(),
+            drain_timeout_s: default_drain_timeout(),
+        }
+    }
+}
+
+/// Secrets: the admin token (bearer token for the admin port), the fleet token (sent to
+/// replicas, which refuse their internal endpoints without it) and the client API keys. Each
+/// secret comes from a file or an environment variable, never from this file itself; the
+/// environment wins.
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// File holding the admin token (env `KVGATE_ADMIN_TOKEN`). Required when `admin_listen`
+    /// is not a loopback address.
+    #[serde(default)]
+    pub admin_token_file: Option<String>,
+    /// File holding the fleet token (env `KVGATE_FLEET_TOKEN`).
+    #[serde(default)]
+    pub fleet_token_file: Option<String>,
+    /// Client API keys (TOML, hot-reloaded; see `config/api_keys.toml`). Env `KVGATE_API_KEYS`
+    /// (`key=tenant:interactive+batch,...`) adds keys. No keys at all: the API is open.
+    #[serde(default)]
+    pub api_keys_file: Option<String>,
+    /// The admin token handed over by a program (`kvgate up`, tests); wins over the rest.
+    #[serde(skip)]
+    pub admin_token: Option<String>,
+    /// The fleet token handed over by a program; wins over the rest.
+    #[serde(skip)]
+    pub fleet_token: Option<String>,
+}
+
+/// How much of each request the access log records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AccessLogMode {
+    #[default]
+    Off,
+    /// A `sample` share of requests, plus every request that did not end in 200.
+    Sampled,
+    Full,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLogConfig {
+    #[serde(default)]
+    pub mode: AccessLogMode,
+    /// Share of successful requests logged in `sampled` mode.
+    #[serde(default = "default_sample")]
+    pub sample: f64,
+    /// File to append JSON lines to; `-` for standard output.
+    #[serde(default = "default_access_path")]
+    pub path: String,
+}
+
+impl Default for AccessLogConfig {
+    fn default() -> Self {
+        AccessLogConfig {
+            mode: AccessLogMode::Off,
+            sample: default_sample(),
+            path: default_access_path(),
         }
     }
 }
@@ -151,6 +273,12 @@ pub struct GatewayConfig {
     pub index: IndexConfig,
     #[serde(default)]
     pub upstream: UpstreamConfig,
+    #[serde(default)]
+    pub downstream: DownstreamConfig,
+    #[serde(default)]
+    pub auth: AuthConfig,
+    #[serde(default)]
+    pub access_log: AccessLogConfig,
     /// Routing policy of the single catch-all route when no `policy_file` is given.
     #[serde(default)]
     pub policy: PolicyConfig,
@@ -162,6 +290,10 @@ pub struct GatewayConfig {
     /// used when `policy_file` is absent, not reloadable.
     #[serde(skip)]
     pub embedded_policy: Option<crate::routes::PolicyFile>,
+    /// The file this configuration was read from: its replica list is reloaded on SIGHUP and
+    /// when it changes.
+    #[serde(skip)]
+    pub config_path: Option<std::path::PathBuf>,
 }
 
 fn default_model() -> String {
@@ -212,6 +344,39 @@ fn default_body_limit() -> usize {
 fn default_load_poll() -> u64 {
     250
 }
+fn default_header_timeout() -> u64 {
+    10_000
+}
+fn default_body_timeout() -> u64 {
+    30_000
+}
+fn default_keepalive() -> u64 {
+    60
+}
+fn default_max_header_bytes() -> usize {
+    32 << 10
+}
+fn default_max_headers() -> usize {
+    100
+}
+fn default_max_connections() -> usize {
+    8192
+}
+fn default_tokenize_wait() -> u64 {
+    2_000
+}
+fn default_max_request_prompt_tokens() -> usize {
+    262_144
+}
+fn default_drain_timeout() -> u64 {
+    30
+}
+fn default_sample() -> f64 {
+    0.01
+}
+fn default_access_path() -> String {
+    "-".into()
+}
 fn default_listen() -> String {
     "127.0.0.1:8080".into()
 }
@@ -228,23 +393,36 @@ impl GatewayConfig {
         GatewayConfig {
             listen: default_listen(),
             admin_listen: default_admin_listen(),
-            replicas,
+            replicas: replicas.iter().map(|r| normalize_replica(r)).collect(),
             session_header: default_session_header(),
             model: ModelConfig::default(),
             health: HealthConfig::default(),
             index: IndexConfig::default(),
             upstream: UpstreamConfig::default(),
+            downstream: DownstreamConfig::default(),
+            auth: AuthConfig::default(),
+            access_log: AccessLogConfig::default(),
             policy: PolicyConfig::default(),
             policy_file: None,
             embedded_policy: None,
+            config_path: None,
         }
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let c: GatewayConfig =
+        let mut c: GatewayConfig =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        c.normalize_replicas();
         c.validate()?;
         Ok(c)
+    }
+
+    /// Accepts `http://host:port` (and a trailing `/`) for a replica as `host:port`; kvgate
+    /// speaks plain HTTP to replicas, so `https://` stays as written and fails validation.
+    pub fn normalize_replicas(&mut self) {
+        for r in &mut self.replicas {
+            *r = normalize_replica(r);
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -262,16 +440,85 @@ impl GatewayConfig {
             "at most 64 replicas",
         );
         for (i, r) in self.replicas.iter().enumerate() {
-            let ok = r
-                .rsplit_once(':')
-                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+            let field = format!("replicas[{i}]");
+            if r.starts_with("https://") {
+                v.check(
+                    false,
+                    &field,
+                    format!("{r:?}"),
+                    "kvgate talks plain HTTP to replicas; TLS to replicas is not supported (give host:port)",
+                );
+                continue;
+            }
+            let ok = r.rsplit_once(':').is_some_and(|(h, p)| {
+                !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok_and(|p| p > 0)
+            });
             v.check(
                 ok,
-                &format!("replicas[{i}]"),
+                &field,
                 format!("{r:?}"),
-                "must be host:port",
+                "must be host:port (http://host:port is accepted too)",
+            );
+            v.check(
+                !self.replicas[..i].contains(r),
+                &field,
+                format!("{r:?}"),
+                "listed twice",
             );
         }
+        v.check(
+            self.model.max_model_len != Some(0),
+            "model.max_model_len",
+            0,
+            "must be at least 1 (omit it to learn it from the replicas)",
+        );
+        let d = &self.downstream;
+        for (field, value, min) in [
+            ("downstream.header_timeout_ms", d.header_timeout_ms, 100),
+            ("downstream.body_timeout_ms", d.body_timeout_ms, 100),
+            (
+                "downstream.tokenize_queue_timeout_ms",
+                d.tokenize_queue_timeout_ms,
+                1,
+            ),
+        ] {
+            v.check(
+                value >= min,
+                field,
+                value,
+                &format!("must be at least {min}"),
+            );
+        }
+        v.check(
+            (1024..=1 << 20).contains(&d.max_header_bytes),
+            "downstream.max_header_bytes",
+            d.max_header_bytes,
+            "must be between 1024 and 1048576",
+        );
+        v.check(
+            (8..=256).contains(&d.max_headers),
+            "downstream.max_headers",
+            d.max_headers,
+            "must be between 8 and 256",
+        );
+        v.check(
+            d.max_connections >= 1,
+            "downstream.max_connections",
+            d.max_connections,
+            "must be at least 1",
+        );
+        v.check(
+            d.max_request_prompt_tokens >= 1,
+            "downstream.max_request_prompt_tokens",
+            d.max_request_prompt_tokens,
+            "must be at least 1",
+        );
+        v.check(
+            (0.0..=1.0).contains(&self.access_log.sample),
+            "access_log.sample",
+            self.access_log.sample,
+            "must be between 0 and 1",
+        );
         v.check(
             (1..=1024).contains(&self.model.block_size),
             "model.block_size",
@@ -325,9 +572,33 @@ impl GatewayConfig {
     }
 }
 
+/// `http://host:port/` → `host:port`; anything else unchanged.
+pub fn normalize_replica(r: &str) -> String {
+    let t = r.trim();
+    match t.strip_prefix("http://") {
+        Some(rest) => rest.trim_end_matches('/').to_string(),
+        None => t.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replica_urls_are_accepted_and_tls_is_refused_clearly() {
+        let c = GatewayConfig::from_toml("replicas = [\"http://127.0.0.1:8001/\", \"r2:8002\"]")
+            .unwrap();
+        assert_eq!(c.replicas, ["127.0.0.1:8001", "r2:8002"]);
+        let e = GatewayConfig::from_toml("replicas = [\"https://10.0.0.1:8001\"]")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TLS to replicas is not supported"), "{e}");
+        let e = GatewayConfig::from_toml("replicas = [\"a:1\", \"http://a:1\"]")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("listed twice"), "{e}");
+    }
 
     #[test]
     fn minimal_file_gets_defaults() {

@@ -3,12 +3,14 @@
 //! validation, no async runtime; the caller reads the file and hands over its text.
 #![forbid(unsafe_code)]
 
+pub mod api_keys;
 pub mod error;
 pub mod gateway;
 pub mod policy;
 pub mod routes;
 
+pub use api_keys::{ApiKeys, Grant};
 pub use error::{ConfigError, FieldError};
 pub use gateway::GatewayConfig;
 pub use policy::PolicyConfig;
-pub use routes::{PolicyFile, Priority, RouteConfig, SloConfig};
+pub use routes::{HitSignals, PolicyFile, Priority, RouteConfig, SloConfig};

@@ -129,6 +129,18 @@ pub struct RouteConfig {
     /// apply). For comparisons; production routes keep it on.
     #[serde(default = "default_true")]
     pub admission: bool,
+    /// Longest prompt this route accepts, in tokens (400 beyond; none: the model's limit).
+    #[serde(default)]
+    pub max_prompt_tokens: Option<usize>,
+    /// The `priority` the gateway writes into the body for the replica's scheduler (vLLM's
+    /// convention: lower first). 0 leaves the field out, which engines without priority
+    /// scheduling require. A client's own `priority` is never forwarded.
+    #[serde(default)]
+    pub engine_priority: i32,
+    /// A stream with no chunk for this long is cut with an error event. Default: 40 × the
+    /// route's inter-token target, between 2 s and 60 s (60 s without a target).
+    #[serde(default)]
+    pub stream_idle_timeout_ms: Option<u64>,
 }
 
 impl RouteConfig {
@@ -146,7 +158,21 @@ impl RouteConfig {
             queue_timeout_ms: default_queue_timeout(),
             slo: SloConfig::default(),
             admission: true,
+            max_prompt_tokens: None,
+            engine_priority: 0,
+            stream_idle_timeout_ms: None,
         }
+    }
+
+    /// The per-chunk deadline of a stream on this route.
+    pub fn stream_idle_timeout(&self) -> std::time::Duration {
+        let ms = self
+            .stream_idle_timeout_ms
+            .unwrap_or_else(|| match self.slo.itl_ms {
+                Some(itl) => (itl * 40).clamp(2_000, 60_000),
+                None => 60_000,
+            });
+        std::time::Duration::from_millis(ms)
     }
 
     /// Whether a request with `prompt_tokens` tokens and `priority` takes this route.
@@ -158,6 +184,21 @@ impl RouteConfig {
     fn has_rules(&self) -> bool {
         self.min_prompt_tokens.is_some() || self.priority.is_some()
     }
+}
+
+/// What clients are told about prefix-cache hits (`usage.prompt_tokens_details.cached_tokens`
+/// and the `x-kvgate-matched-blocks` header). Exact block counts let a client test guesses
+/// about prompts that share its cache (a right guess matches one block more); rounding makes
+/// a guess cost a whole rounding unit, and `off` removes the signal. Time to first token still
+/// leaks a hit; only separate caches (per-tenant `cache_salt`) close the channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum HitSignals {
+    Exact,
+    /// Rounded down to `hit_signal_round_tokens`.
+    #[default]
+    Rounded,
+    Off,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -178,6 +219,16 @@ pub struct PolicyFile {
     /// error (the model learns from the past, the promise is about the future).
     #[serde(default = "default_headroom")]
     pub admission_headroom: f64,
+    /// What clients learn about cache hits.
+    #[serde(default)]
+    pub hit_signals: HitSignals,
+    /// The rounding unit of `hit_signals = "rounded"`, in tokens.
+    #[serde(default = "default_round_tokens")]
+    pub hit_signal_round_tokens: u32,
+    /// Tenants (from API keys) listed together share one prefix cache; every other tenant has
+    /// its own (`cache_salt`). Without API keys there is one anonymous tenant.
+    #[serde(default)]
+    pub cache_groups: Vec<Vec<String>>,
     /// The routing policy of routes that name none.
     #[serde(default)]
     pub policy: PolicyConfig,
@@ -204,6 +255,9 @@ fn default_headroom() -> f64 {
 fn default_preemption_holdoff() -> u64 {
     2_000
 }
+fn default_round_tokens() -> u32 {
+    256
+}
 
 impl PolicyFile {
     /// A file with one catch-all route using `policy` and no promise.
@@ -213,13 +267,31 @@ impl PolicyFile {
             kv_high_water: default_kv_high_water(),
             preemption_holdoff_ms: default_preemption_holdoff(),
             admission_headroom: default_headroom(),
+            hit_signals: HitSignals::default(),
+            hit_signal_round_tokens: default_round_tokens(),
+            cache_groups: Vec::new(),
             policy,
             routes: vec![RouteConfig::catch_all("default")],
         }
     }
 
     /// Parses and validates; `replicas` is the gateway's replica list, which pools name.
+    /// A file must name its routes or a `[policy]`: an empty or cut-short file would otherwise
+    /// silently become one catch-all route without any promise or limit.
     pub fn from_toml(text: &str, replicas: &[String]) -> Result<Self, ConfigError> {
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        if !table.contains_key("routes") && !table.contains_key("policy") {
+            return Err(ConfigError::Invalid(vec![crate::FieldError {
+                field: "routes".into(),
+                value: if text.trim().is_empty() {
+                    "(empty file)".into()
+                } else {
+                    "(absent)".into()
+                },
+                reason: "a policy file must list its [[routes]] or name a [policy]; an empty or truncated file is refused".into(),
+            }]));
+        }
         let mut f: PolicyFile =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         if f.routes.is_empty() {
@@ -227,6 +299,15 @@ impl PolicyFile {
         }
         f.validate(replicas)?;
         Ok(f)
+    }
+
+    /// The tenant whose salt `tenant` uses: the first member of its cache group, or itself.
+    pub fn cache_owner<'a>(&'a self, tenant: &'a str) -> &'a str {
+        self.cache_groups
+            .iter()
+            .find(|g| g.iter().any(|t| t == tenant))
+            .and_then(|g| g.first())
+            .map_or(tenant, String::as_str)
     }
 
     /// The route a request takes (validation guarantees one matches).
@@ -278,6 +359,28 @@ impl PolicyFile {
             "[]",
             "list at least one route",
         );
+        v.check(
+            self.hit_signal_round_tokens >= 1,
+            "hit_signal_round_tokens",
+            self.hit_signal_round_tokens,
+            "must be at least 1",
+        );
+        for (i, g) in self.cache_groups.iter().enumerate() {
+            v.check(
+                g.len() >= 2,
+                &format!("cache_groups[{i}]"),
+                format!("{g:?}"),
+                "a cache group lists at least two tenants",
+            );
+            for t in g {
+                v.check(
+                    self.cache_groups[..i].iter().all(|o| !o.contains(t)),
+                    &format!("cache_groups[{i}]"),
+                    format!("{t:?}"),
+                    "a tenant belongs to at most one cache group",
+                );
+            }
+        }
         if let Some(last) = self.routes.last() {
             v.check(
                 !last.has_rules(),
@@ -321,6 +424,18 @@ impl PolicyFile {
                 &f("max_concurrency"),
                 0,
                 "must be at least 1 (omit it for no limit)",
+            );
+            v.check(
+                r.max_prompt_tokens != Some(0),
+                &f("max_prompt_tokens"),
+                0,
+                "must be at least 1 (omit it for the model's limit)",
+            );
+            v.check(
+                r.stream_idle_timeout_ms.is_none_or(|t| t >= 100),
+                &f("stream_idle_timeout_ms"),
+                r.stream_idle_timeout_ms.unwrap_or(0),
+                "must be at least 100",
             );
             v.check(
                 r.max_prompt_tokens_in_flight != Some(0),
@@ -420,11 +535,49 @@ slo = { ttft_ms = 1000, itl_ms = 50 }
     }
 
     #[test]
-    fn empty_file_is_one_catch_all_route() {
-        let f = PolicyFile::from_toml("", &replicas()).unwrap();
+    fn empty_or_routeless_file_is_refused() {
+        for text in ["", "\n\n", "version = \"default-1\"\nkv_high_water = 0.9\n"] {
+            let e = PolicyFile::from_toml(text, &replicas())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("must list its [[routes]] or name a [policy]"),
+                "{e}"
+            );
+        }
+        let f = PolicyFile::from_toml("[policy]\nkind = \"least_load\"", &replicas()).unwrap();
         assert_eq!(f.routes.len(), 1);
         assert_eq!(f.routes[0].name, "default");
         assert_eq!(f.classify(1 << 20, Priority::Batch), 0);
+    }
+
+    #[test]
+    fn cache_groups_map_tenants_to_one_owner() {
+        let f = PolicyFile::from_toml(
+            "cache_groups = [[\"a\", \"b\"]]\n[policy]\nkind = \"prefix_aware\"",
+            &replicas(),
+        )
+        .unwrap();
+        assert_eq!(f.cache_owner("b"), "a");
+        assert_eq!(f.cache_owner("a"), "a");
+        assert_eq!(f.cache_owner("c"), "c");
+        assert!(PolicyFile::from_toml(
+            "cache_groups = [[\"a\"]]\n[policy]\nkind = \"prefix_aware\"",
+            &replicas()
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn stream_idle_timeout_follows_the_itl_promise() {
+        let mut r = RouteConfig::catch_all("x");
+        assert_eq!(r.stream_idle_timeout().as_secs(), 60);
+        r.slo.itl_ms = Some(50);
+        assert_eq!(r.stream_idle_timeout().as_millis(), 2_000);
+        r.slo.itl_ms = Some(150);
+        assert_eq!(r.stream_idle_timeout().as_millis(), 6_000);
+        r.stream_idle_timeout_ms = Some(500);
+        assert_eq!(r.stream_idle_timeout().as_millis(), 500);
     }
 
     #[test]

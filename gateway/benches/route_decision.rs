@@ -12,7 +12,12 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use gateway::metrics::GatewayMetrics;
 use gateway::prefix_index::PrefixIndex;
 use gateway::registry::{http_client, Registry};
-use gateway::router::{Endpoint, Router};
+use gateway::router::{Caller, Endpoint, PromptLimits, Router};
+
+const LIMITS: PromptLimits = PromptLimits {
+    per_prompt: 131_072,
+    per_request: 262_144,
+};
 use protocol::tokenizer::{default_tokenizer_dir, TextTokenizer};
 
 const PARAGRAPH: &str = "Prefix caching keeps the attention keys and values of a shared prompt in \
@@ -42,6 +47,7 @@ fn router(tok: Arc<TextTokenizer>) -> Router {
         &cfg,
         index,
         http_client(Duration::from_millis(100)),
+        None,
     ));
     for i in 0..8 {
         registry.set_healthy(i, true);
@@ -80,7 +86,9 @@ fn bench(c: &mut Criterion) {
         b.iter_batched(
             || router(tok.clone()),
             |r| {
-                let p = r.prepare(Endpoint::ChatCompletions, &body, None).unwrap();
+                let p = r
+                    .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
+                    .unwrap();
                 decide(&r, &p)
             },
             criterion::BatchSize::PerIteration,
@@ -88,14 +96,14 @@ fn bench(c: &mut Criterion) {
     });
     let warm = router(tok.clone());
     let p = warm
-        .prepare(Endpoint::ChatCompletions, &body, None)
+        .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
         .unwrap();
     let d = decide(&warm, &p);
     warm.commit(policy.name(), &p, &d);
     g.bench_function("warm_segment_cache", |b| {
         b.iter(|| {
             let p = warm
-                .prepare(Endpoint::ChatCompletions, &body, None)
+                .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
                 .unwrap();
             decide(&warm, &p)
         })

@@ -128,6 +128,8 @@ pub struct RouteStats {
     pub inter_token_seconds: Histogram,
     pub e2e_seconds: Histogram,
     pub goodput_ratio: Gauge,
+    /// Admitted requests that ended in an error (upstream failure, cut stream).
+    pub errors: Counter,
     pub in_flight: Gauge,
     pub queued: Gauge,
     shed: Vec<(&'static str, Counter)>,
@@ -173,6 +175,7 @@ impl RouteStats {
             inter_token_seconds: m.route_histogram("kvgate_gateway_inter_token_seconds", route),
             e2e_seconds: m.route_histogram("kvgate_gateway_e2e_seconds", route),
             goodput_ratio: m.route_gauge("kvgate_gateway_goodput_ratio", route),
+            errors: m.route_counter("kvgate_gateway_route_errors_total", route, &[]),
             in_flight: m.route_gauge("kvgate_gateway_route_in_flight", route),
             queued: m.route_gauge("kvgate_gateway_route_queue_depth", route),
             shed: SHED_REASONS
@@ -220,6 +223,15 @@ impl RouteStats {
         w.add(now_s, v.good());
         self.goodput_ratio.set(w.ratio(now_s).unwrap_or(1.0));
         v
+    }
+
+    /// Records an admitted request that failed (no answer, or an answer cut short): asked
+    /// and not served within the promise.
+    pub fn failed(&self, now_s: u64) {
+        self.errors.increment(1);
+        let mut w = self.window.lock();
+        w.add(now_s, false);
+        self.goodput_ratio.set(w.ratio(now_s).unwrap_or(1.0));
     }
 
     /// Records a request answered with 429, and why.

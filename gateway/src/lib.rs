@@ -4,15 +4,21 @@
 //! proxies the answer back, streaming, accounting goodput per route.
 #![forbid(unsafe_code)]
 
+pub mod access_log;
 pub mod admission;
+pub mod auth;
 pub mod body;
+pub mod conn;
 pub mod dispatch;
+pub mod forward;
 pub mod goodput;
+pub mod lifecycle;
 pub mod metrics;
 pub mod policy_store;
 pub mod prefix_index;
 pub mod proxy;
 pub mod registry;
+pub mod relay;
 pub mod router;
 pub mod server;
 

@@ -112,6 +112,10 @@ impl GatewayMetrics {
                 "Admitted requests that finished, by route",
             ),
             (
+                "kvgate_gateway_route_errors_total",
+                "Admitted requests that ended in an error (no answer, or a stream cut short), by route",
+            ),
+            (
                 "kvgate_gateway_good_requests_total",
                 "Finished requests that met both latency targets, by route",
             ),
@@ -173,6 +177,42 @@ impl GatewayMetrics {
         describe_gauge(
             "kvgate_gateway_replica_in_flight",
             "Requests the gateway has in flight at the replica",
+        );
+        for (name, help) in [
+            (
+                "kvgate_gateway_prompts_refused_total",
+                "Prompts refused as too long, by the stage that decided (bytes: from the size alone; pieces: after counting part of it; exact: after tokenising it)",
+            ),
+            (
+                "kvgate_gateway_connections_refused_total",
+                "Client connections closed at once because the connection limit was reached",
+            ),
+            (
+                "kvgate_gateway_connections_closed_total",
+                "Client connections the gateway cut, by reason (header_timeout, header_too_large, body_timeout)",
+            ),
+            (
+                "kvgate_gateway_accept_errors_total",
+                "Failed accept() calls (e.g. out of file descriptors), by listener",
+            ),
+            (
+                "kvgate_gateway_auth_failures_total",
+                "Requests refused for a missing or wrong credential, by port (api, admin)",
+            ),
+            (
+                "kvgate_gateway_stream_errors_total",
+                "Responses cut after their first byte, by reason (upstream_error, idle_timeout, replica_ejected, drain)",
+            ),
+        ] {
+            describe_counter(name, help);
+        }
+        describe_gauge(
+            "kvgate_gateway_connections_open",
+            "Open client connections on the API port",
+        );
+        describe_gauge(
+            "kvgate_gateway_draining",
+            "1 while the gateway drains after SIGTERM",
         );
         describe_gauge(
             "kvgate_gateway_prefix_index_blocks",
@@ -255,6 +295,24 @@ impl GatewayMetrics {
                 &META,
             )
             .increment(1);
+    }
+
+    /// A counter with fixed, bounded labels.
+    pub fn counter(&self, name: &'static str, labels: &[(&'static str, &'static str)]) -> Counter {
+        self.recorder.register_counter(
+            &Key::from_parts(
+                name,
+                labels
+                    .iter()
+                    .map(|(k, v)| Label::new(*k, *v))
+                    .collect::<Vec<_>>(),
+            ),
+            &META,
+        )
+    }
+
+    pub fn gauge(&self, name: &'static str) -> Gauge {
+        self.recorder.register_gauge(&Key::from_name(name), &META)
     }
 
     pub fn decision(&self, policy: &'static str, reason: &'static str) {

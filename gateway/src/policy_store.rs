@@ -47,6 +47,14 @@ impl ActivePolicy {
     pub fn route(&self, prompt_tokens: usize, priority: config::Priority) -> &ActiveRoute {
         &self.routes[self.file.classify(prompt_tokens, priority)]
     }
+
+    /// The longest prompt some route accepts (`None`: one has no limit of its own).
+    pub fn max_prompt_tokens(&self) -> Option<usize> {
+        self.routes
+            .iter()
+            .map(|r| r.cfg.max_prompt_tokens)
+            .try_fold(0usize, |m, x| x.map(|x| m.max(x)))
+    }
 }
 
 /// Why the last load failed.
@@ -66,6 +74,9 @@ pub struct PolicyStore {
     last_error: Mutex<Option<ReloadError>>,
     /// Hash of the text last tried (accepted or not), so the file watcher acts on changes only.
     last_seen: Mutex<Option<u64>>,
+    /// The text hash each accepted `version` had: a file that keeps a version but changes
+    /// its text (a truncated or half-written copy) is refused.
+    versions: Mutex<HashMap<String, u64>>,
 }
 
 fn unix_now() -> u64 {
@@ -96,7 +107,12 @@ impl PolicyStore {
         let active = build(file, version, 1, &replicas, &metrics, &runtimes);
         metrics.policy_generation.set(1.0);
         metrics.policy_reload(true);
+        let mut versions = HashMap::new();
+        if let (Some(v), Some(t)) = (&active.file.version, text) {
+            versions.insert(v.clone(), text_hash(t));
+        }
         PolicyStore {
+            versions: Mutex::new(versions),
             active: ArcSwap::from_pointee(active),
             path,
             replicas,
@@ -159,6 +175,24 @@ impl PolicyStore {
                 ));
             }
         };
+        if let Some(v) = &file.version {
+            if self.versions.lock().get(v).is_some_and(|&seen| seen != h) {
+                return Err(self.reject(
+                    Some(Some(h)),
+                    format!(
+                        "{} rejected: version {v:?} was loaded before with different content; \
+                         change `version` whenever the file changes (a truncated or half-written \
+                         file keeps the old version)",
+                        path.display()
+                    ),
+                    vec![config::FieldError {
+                        field: "version".into(),
+                        value: format!("{v:?}"),
+                        reason: "already loaded with different content".into(),
+                    }],
+                ));
+            }
+        }
         let generation = self.active.load().generation + 1;
         let version = file
             .version
@@ -173,6 +207,9 @@ impl PolicyStore {
             &self.runtimes,
         );
         tracing::info!(version = %next.version, generation, routes = next.routes.len(), "policy loaded");
+        if let Some(v) = &next.file.version {
+            self.versions.lock().insert(v.clone(), h);
+        }
         self.active.store(Arc::new(next));
         *self.last_seen.lock() = Some(h);
         *self.last_error.lock() = None;
@@ -220,6 +257,9 @@ impl PolicyStore {
                     "admission": r.cfg.admission,
                     "max_concurrency": r.cfg.max_concurrency,
                     "max_prompt_tokens_in_flight": r.cfg.max_prompt_tokens_in_flight,
+                    "max_prompt_tokens": r.cfg.max_prompt_tokens,
+                    "engine_priority": r.cfg.engine_priority,
+                    "stream_idle_timeout_ms": r.cfg.stream_idle_timeout().as_millis() as u64,
                     "queue_size": r.cfg.queue_size,
                     "queue_timeout_ms": r.cfg.queue_timeout_ms,
                     "slo": {"ttft_ms": ms(r.slo.ttft), "itl_ms": ms(r.slo.itl)},
@@ -239,6 +279,8 @@ impl PolicyStore {
             "kv_high_water": a.file.kv_high_water,
             "preemption_holdoff_ms": a.file.preemption_holdoff_ms,
             "admission_headroom": a.file.admission_headroom,
+            "hit_signals": format!("{:?}", a.file.hit_signals).to_lowercase(),
+            "cache_groups": a.file.cache_groups,
             "default_policy": a.file.policy.kind(),
             "routes": routes,
             "last_error": err.map(|e| json!({

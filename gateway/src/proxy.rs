@@ -1,35 +1,42 @@
-//! The pingora service: every request is answered in `request_filter` — read the whole body
-//! (`body.rs` says why), classify it into a policy route, wait for admission (`dispatch.rs`) or
-//! answer 429, forward with retries before the first byte reaches the client,
-//! then pass the replica's answer through chunk by chunk (SSE events are never buffered),
-//! timing TTFT and inter-token gaps from the stream it forwards. A client that goes away makes
-//! the next write fail; the upstream response is then dropped, which closes that connection and
-//! makes the replica cancel the request.
+//! The pingora service: every request is answered in `request_filter`. For a generation
+//! request: authenticate the caller (API key → tenant and allowed priority classes), read the
+//! whole body within its deadline (`body.rs` says why it is read whole), tokenise with bounded
+//! work and a bounded number of tokenisers at once, classify into a policy route, wait for
+//! admission (`dispatch.rs`) or answer 429, then forward (`forward.rs`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use config::{Grant, Priority};
 use http_body_util::BodyExt;
 use pingora::http::ResponseHeader;
 use pingora::prelude::{HttpPeer, ProxyHttp};
 use pingora::proxy::Session;
 use pingora::{Error, ErrorType, Result};
 use protocol::ApiError;
+use tokio::sync::Semaphore;
 
-use crate::admission::{LatencyModel, Slo};
+use crate::access_log::{AccessLog, AccessRecord};
+use crate::admission::LatencyModel;
+use crate::auth::ApiKeyStore;
 use crate::body::read_whole_body;
-use crate::dispatch::{Admitted, Refusal};
-use crate::goodput::Outcome;
-use crate::policy_store::{ActiveRoute, PolicyStore};
-use crate::registry::{HttpClient, InFlight, PendingPrefill};
-use crate::router::{Endpoint, Prepared, Router};
+use crate::dispatch::Refusal;
+use crate::lifecycle::Lifecycle;
+use crate::policy_store::PolicyStore;
+use crate::registry::HttpClient;
+use crate::router::{Caller, Endpoint, Prepared, PromptLimits, Router};
+
+/// The context limit used until a replica reports its own.
+pub const FALLBACK_MODEL_LEN: usize = 131_072;
 
 pub struct GatewayState {
     pub router: Router,
     pub client: HttpClient,
     pub max_body_bytes: usize,
+    /// From the end of the request header to the end of its body.
+    pub body_timeout: Duration,
     pub retries: u32,
     pub retry_backoff: Duration,
     pub first_byte_timeout: Duration,
@@ -38,30 +45,30 @@ pub struct GatewayState {
     pub models: Vec<parking_lot::Mutex<LatencyModel>>,
     /// Routes, SLOs and admission thresholds (hot-reloaded).
     pub policies: PolicyStore,
-}
-
-/// What the relay needs to time the answer and teach the replica's latency model.
-struct RelayContext {
-    slot: usize,
-    /// When the client's request arrived.
-    started: Instant,
-    /// When it was sent to the replica.
-    sent_at: Instant,
-    stream: bool,
-    uncached_tokens: u64,
-    /// Uncached prefill already queued at the replica when this one was sent.
-    ahead_tokens: u64,
-    pending: PendingPrefill,
-    /// The route's promise when the request was admitted, for goodput accounting.
-    slo: Slo,
-    admitted: Admitted,
+    /// Client API keys (hot-reloaded).
+    pub keys: ApiKeyStore,
+    /// Bearer token of the admin port.
+    pub admin_token: Option<String>,
+    pub lifecycle: Arc<Lifecycle>,
+    pub access_log: AccessLog,
+    /// Prompts being tokenised at once.
+    pub tokenize_slots: Arc<Semaphore>,
+    pub tokenize_wait: Duration,
+    pub max_request_prompt_tokens: usize,
+    /// `model.max_model_len` from the gateway file.
+    pub model_len_override: Option<usize>,
 }
 
 pub struct GatewayProxy {
     pub state: Arc<GatewayState>,
 }
 
-async fn respond(
+/// Whether the client spoke HTTP/1.0, which knows no chunked encoding.
+pub(crate) fn is_http10(session: &Session) -> bool {
+    session.req_header().version == http::Version::HTTP_10
+}
+
+pub(crate) async fn respond(
     session: &mut Session,
     status: u16,
     body: Bytes,
@@ -85,15 +92,37 @@ async fn respond(
     status
 }
 
-fn count(hay: &[u8], needle: &[u8]) -> usize {
-    hay.windows(needle.len()).filter(|w| *w == needle).count()
+pub(crate) async fn respond_error(session: &mut Session, e: &ApiError) -> u16 {
+    let mut headers = Vec::new();
+    if e.status == 401 {
+        headers.push(("www-authenticate", "Bearer".to_string()));
+    }
+    respond(session, e.status, Bytes::from(e.to_json()), &headers).await
 }
 
-async fn respond_error(session: &mut Session, e: &ApiError) -> u16 {
-    respond(session, e.status, Bytes::from(e.to_json()), &[]).await
+fn parse_priority(session: &Session) -> Result<Priority, ApiError> {
+    match session.req_header().headers.get(Priority::HEADER) {
+        None => Ok(Priority::Interactive),
+        Some(v) => v.to_str().ok().and_then(Priority::parse).ok_or_else(|| {
+            ApiError::invalid_request(format!(
+                "{} must be interactive or batch, got {:?}",
+                Priority::HEADER,
+                String::from_utf8_lossy(v.as_bytes())
+            ))
+            .with_code("invalid_priority")
+        }),
+    }
 }
 
 impl GatewayState {
+    /// Longest prompt the model takes: the gateway file's setting, else what the replicas
+    /// reported, else [`FALLBACK_MODEL_LEN`].
+    pub fn model_limit(&self) -> usize {
+        self.model_len_override
+            .or_else(|| self.router.registry.max_model_len().map(|n| n as usize))
+            .unwrap_or(FALLBACK_MODEL_LEN)
+    }
+
     async fn models(&self, session: &mut Session) -> u16 {
         // The union of the healthy replicas' model lists.
         let mut ids: Vec<serde_json::Value> = Vec::new();
@@ -101,11 +130,11 @@ impl GatewayState {
             let (true, Some(addr)) = (r.is_healthy(), r.addr()) else {
                 continue;
             };
-            let Ok(req) = http::Request::get(format!("http://{addr}/v1/models"))
-                .body(http_body_util::Full::new(Bytes::new()))
-            else {
-                continue;
-            };
+            let req = self.router.registry.request(
+                http::Method::GET,
+                format!("http://{addr}/v1/models"),
+                Bytes::new(),
+            );
             let Ok(Ok(resp)) =
                 tokio::time::timeout(Duration::from_secs(2), self.client.request(req)).await
             else {
@@ -127,55 +156,125 @@ impl GatewayState {
         respond(session, 200, Bytes::from(body.to_string()), &[]).await
     }
 
+    /// The tenant's cache scope under the active policy.
+    fn tenant_salt(&self, grant: Option<&Grant>) -> Option<String> {
+        let g = grant?;
+        let active = self.policies.load();
+        Some(format!(
+            "kvgate-tenant:{}",
+            active.file.cache_owner(&g.tenant)
+        ))
+    }
+
     async fn generate(
         self: &Arc<Self>,
         session: &mut Session,
         endpoint: Endpoint,
         started: Instant,
+        grant: Option<Grant>,
+        rec: &mut AccessRecord,
     ) -> u16 {
-        let body = match read_whole_body(session, self.max_body_bytes).await {
-            Ok(b) => b,
-            Err(e) => return respond_error(session, &e).await,
-        };
-        let session_id = session
-            .req_header()
-            .headers
-            .get(self.session_header.as_str())
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        let priority = match session.req_header().headers.get(config::Priority::HEADER) {
-            None => config::Priority::Interactive,
-            Some(v) => match v.to_str().ok().and_then(config::Priority::parse) {
-                Some(p) => p,
-                None => {
-                    let e = ApiError::invalid_request(format!(
-                        "{} must be interactive or batch, got {:?}",
-                        config::Priority::HEADER,
-                        String::from_utf8_lossy(v.as_bytes())
-                    ))
-                    .with_code("invalid_priority");
-                    return respond_error(session, &e).await;
-                }
-            },
-        };
-        let prepared = match self.prepare(endpoint, body.clone(), session_id).await {
+        let priority = match parse_priority(session) {
             Ok(p) => p,
             Err(e) => return respond_error(session, &e).await,
         };
+        if let Some(g) = &grant {
+            if !g.allows(priority) {
+                let e = ApiError::new(
+                    403,
+                    "permission_error",
+                    format!(
+                        "tenant {} may not use the {} priority class",
+                        g.tenant,
+                        priority.label()
+                    ),
+                )
+                .with_code("priority_not_allowed");
+                return respond_error(session, &e).await;
+            }
+        }
+        let body = match tokio::time::timeout(
+            self.body_timeout,
+            read_whole_body(session, self.max_body_bytes),
+        )
+        .await
+        {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                session.set_keepalive(None);
+                return respond_error(session, &e).await;
+            }
+            Err(_) => {
+                self.router
+                    .metrics
+                    .counter(
+                        "kvgate_gateway_connections_closed_total",
+                        &[("reason", "body_timeout")],
+                    )
+                    .increment(1);
+                session.set_keepalive(None);
+                let e = ApiError::new(
+                    408,
+                    "invalid_request_error",
+                    format!(
+                        "the request body did not arrive within {} ms",
+                        self.body_timeout.as_millis()
+                    ),
+                )
+                .with_code("body_timeout");
+                return respond_error(session, &e).await;
+            }
+        };
+        let caller = Caller {
+            session_id: session
+                .req_header()
+                .headers
+                .get(self.session_header.as_str())
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            tenant_salt: self.tenant_salt(grant.as_ref()),
+        };
         // One policy version for the whole request, whatever reloads meanwhile.
         let active = self.policies.load();
+        let per_prompt = match active.max_prompt_tokens() {
+            Some(r) => r.min(self.model_limit()),
+            None => self.model_limit(),
+        };
+        let limits = PromptLimits {
+            per_prompt,
+            per_request: self.max_request_prompt_tokens,
+        };
+        let prepared = match self.prepare(endpoint, body, caller, limits).await {
+            Ok(p) => p,
+            Err(e) => return respond_error(session, &e).await,
+        };
+        rec.prompt_tokens = Some(prepared.prompt_tokens);
+        rec.stream = Some(prepared.stream);
         let route = active.route(prepared.prompt_tokens, priority);
+        rec.route = Some(route.cfg.name.clone());
+        if let Some(max) = route.cfg.max_prompt_tokens {
+            if prepared.largest_prompt_tokens > max {
+                let e = ApiError::invalid_request(format!(
+                    "The prompt has {} tokens; route {} accepts at most {max}.",
+                    prepared.largest_prompt_tokens, route.cfg.name
+                ))
+                .with_code("context_length_exceeded");
+                return respond_error(session, &e).await;
+            }
+        }
         match self
             .admit(&active, route, &prepared, priority, started)
             .await
         {
             Ok(admitted) => {
-                self.forward(session, route, &prepared, body, started, admitted)
+                rec.queue_ms = Some(admitted.queued.as_secs_f64() * 1e3);
+                self.forward(session, &active, route, &prepared, started, admitted, rec)
                     .await
             }
             Err(Refusal::Error(e)) => respond_error(session, &e).await,
             Err(Refusal::Shed(shed)) => {
                 let secs = shed.retry_after_secs();
+                rec.error = Some(shed.label().to_string());
                 let e = ApiError::new(
                     429,
                     "rate_limit_exceeded",
@@ -200,276 +299,42 @@ impl GatewayState {
         }
     }
 
-    /// Tokenising is CPU work: it runs on the blocking pool, never on the reactor.
+    /// Tokenising is CPU work: it runs on the blocking pool, never on the reactor, and at most
+    /// `tokenize_slots` prompts at once; a request that cannot get a slot in time is shed.
     pub async fn prepare(
         self: &Arc<Self>,
         endpoint: Endpoint,
         body: Bytes,
-        session_id: Option<String>,
+        caller: Caller,
+        limits: PromptLimits,
     ) -> Result<Prepared, ApiError> {
         let started = Instant::now();
+        let slot = tokio::time::timeout(
+            self.tokenize_wait,
+            self.tokenize_slots.clone().acquire_owned(),
+        )
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .ok_or_else(|| {
+            ApiError::new(
+                429,
+                "rate_limit_exceeded",
+                "every tokeniser is busy; retry shortly",
+            )
+            .with_code("tokenizer_busy")
+        })?;
         let state = self.clone();
-        let p =
-            tokio::task::spawn_blocking(move || state.router.prepare(endpoint, &body, session_id))
-                .await
-                .map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))??;
+        let p = tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            state.router.prepare(endpoint, &body, &caller, limits)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))??;
         let m = &self.router.metrics;
         m.tokenize_seconds.record(p.tokenize_seconds);
         m.route_seconds.record(started.elapsed().as_secs_f64());
         Ok(p)
-    }
-
-    async fn forward(
-        &self,
-        session: &mut Session,
-        route: &ActiveRoute,
-        p: &Prepared,
-        body: Bytes,
-        started: Instant,
-        mut admitted: Admitted,
-    ) -> u16 {
-        let router = &self.router;
-        let registry = &router.registry;
-        let mut tried: Vec<usize> = Vec::new();
-        let mut last_error = ApiError::unavailable("no healthy replica is available")
-            .with_code("no_healthy_replica");
-        let outside: Vec<usize> = (0..registry.replicas.len())
-            .filter(|i| !route.pool.contains(i))
-            .collect();
-        let mut first = Some(admitted.decision.clone());
-        for attempt in 0..=self.retries {
-            if attempt > 0 {
-                router.metrics.retries.increment(1);
-                tokio::time::sleep(self.retry_backoff * attempt).await;
-            }
-            let decided = match first.take() {
-                Some(d) => Ok(d),
-                None => {
-                    let exclude: Vec<usize> = outside.iter().chain(&tried).copied().collect();
-                    router.decide_in(route.policy.as_ref(), p, &admitted.matched, &exclude, false)
-                }
-            };
-            let d = match decided {
-                Ok(d) => d,
-                Err(e) => {
-                    if tried.is_empty() {
-                        last_error = e;
-                    }
-                    break;
-                }
-            };
-            let replica = registry.replicas[d.replica].clone();
-            tried.push(d.replica);
-            let Some(addr) = replica.addr() else {
-                registry.report_failure(d.replica);
-                continue;
-            };
-            let in_flight = InFlight::new(replica.clone());
-            let uncached_tokens =
-                p.prompt_tokens
-                    .saturating_sub(d.matched_blocks * router.block_size) as u64;
-            let (pending, ahead_tokens) = match admitted.pending.take() {
-                Some(x) if attempt == 0 => x,
-                _ => PendingPrefill::new(replica.clone(), uncached_tokens),
-            };
-            let req = match http::Request::post(format!("http://{addr}{}", p.endpoint.path()))
-                .header("content-type", "application/json")
-                .body(http_body_util::Full::new(body.clone()))
-            {
-                Ok(r) => r,
-                Err(e) => return respond_error(session, &ApiError::internal(e.to_string())).await,
-            };
-            let sent_at = Instant::now();
-            let resp = match tokio::time::timeout(self.first_byte_timeout, self.client.request(req))
-                .await
-            {
-                Err(_) => {
-                    let e = ApiError::new(
-                        504,
-                        "timeout",
-                        format!(
-                            "replica {} did not answer within {:?}",
-                            replica.name, self.first_byte_timeout
-                        ),
-                    );
-                    return respond_error(session, &e).await;
-                }
-                Ok(Err(e)) => {
-                    if e.is_connect() {
-                        registry.report_failure(d.replica);
-                    }
-                    tracing::warn!(replica = %replica.name, error = %e, attempt, "upstream request failed");
-                    last_error = ApiError::new(
-                        502,
-                        "bad_gateway",
-                        format!("replica {} failed: {e}", replica.name),
-                    );
-                    continue;
-                }
-                Ok(Ok(r)) => r,
-            };
-            let status = resp.status();
-            if status.is_server_error() && attempt < self.retries {
-                tracing::warn!(replica = %replica.name, %status, attempt, "replica answered 5xx; retrying elsewhere");
-                last_error = ApiError::new(
-                    502,
-                    "bad_gateway",
-                    format!("replica {} answered {status}", replica.name),
-                );
-                continue;
-            }
-            router.commit(route.policy.name(), p, &d);
-            let obs = RelayContext {
-                slot: d.replica,
-                started,
-                sent_at,
-                stream: p.stream,
-                uncached_tokens,
-                ahead_tokens,
-                pending,
-                slo: route.slo,
-                admitted,
-            };
-            let status = self
-                .relay(session, resp, &replica.name, &route.cfg.name, &d, obs)
-                .await;
-            drop(in_flight);
-            return status;
-        }
-        respond_error(session, &last_error).await
-    }
-
-    async fn relay(
-        &self,
-        session: &mut Session,
-        resp: http::Response<hyper::body::Incoming>,
-        replica: &str,
-        route_name: &str,
-        d: &policies::RouteDecision,
-        mut obs: RelayContext,
-    ) -> u16 {
-        let (started, stream) = (obs.started, obs.stream);
-        let stats = &obs.admitted.route().stats;
-        let status = resp.status().as_u16();
-        let (parts, mut body) = resp.into_parts();
-        let Ok(mut h) = ResponseHeader::build(status, Some(8)) else {
-            return status;
-        };
-        for name in ["content-type", "content-length", "cache-control"] {
-            if let Some(v) = parts.headers.get(name) {
-                let _ = h.insert_header(name, v.clone());
-            }
-        }
-        if !parts.headers.contains_key("content-length") {
-            let _ = h.insert_header("transfer-encoding", "chunked");
-        }
-        let upstream_id = parts
-            .headers
-            .get("x-kvgate-replica")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or(replica)
-            .to_string();
-        let _ = h.insert_header("x-kvgate-replica", upstream_id);
-        let _ = h.insert_header("x-kvgate-upstream", replica);
-        let _ = h.insert_header("x-kvgate-route-reason", d.reason.label());
-        let _ = h.insert_header("x-kvgate-matched-blocks", d.matched_blocks.to_string());
-        let _ = h.insert_header("x-kvgate-route", route_name);
-        let _ = h.insert_header(
-            "x-kvgate-queue-ms",
-            obs.admitted.queued.as_millis().to_string(),
-        );
-        if session
-            .write_response_header(Box::new(h), false)
-            .await
-            .is_err()
-        {
-            return 499;
-        }
-        let mut last: Option<Instant> = None;
-        let mut outcome = Outcome {
-            stream,
-            ..Outcome::default()
-        };
-        // An unstreamed answer is small; it is kept to read its usage for goodput accounting.
-        let mut whole: Vec<u8> = Vec::new();
-        loop {
-            // The same bound applies between chunks: a replica that stalls mid-answer is cut off.
-            let Ok(next) = tokio::time::timeout(self.first_byte_timeout, body.frame()).await else {
-                tracing::warn!(%replica, "replica stalled mid-answer; closing the response");
-                break;
-            };
-            let Some(frame) = next else { break };
-            let Ok(frame) = frame else {
-                // The replica broke mid-answer: bytes already reached the client, so no retry.
-                break;
-            };
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
-            if data.is_empty() {
-                continue;
-            }
-            let now = Instant::now();
-            // Only a stream's chunk times are token times; a plain body arrives at the end.
-            let learn = stream && status == 200;
-            match last {
-                None => {
-                    obs.pending.done();
-                    outcome.ttft = Some(now - started);
-                    stats.ttft_seconds.record((now - started).as_secs_f64());
-                    if learn {
-                        self.models[obs.slot].lock().observe_ttft(
-                            obs.ahead_tokens,
-                            obs.uncached_tokens,
-                            now - obs.sent_at,
-                        );
-                    }
-                }
-                Some(prev) if stream => {
-                    outcome.gaps.push(now - prev);
-                    stats.inter_token_seconds.record((now - prev).as_secs_f64());
-                    if learn {
-                        let batch = self.router.registry.replicas[obs.slot]
-                            .load()
-                            .requests()
-                            .max(1);
-                        self.models[obs.slot].lock().observe_itl(batch, now - prev);
-                    }
-                }
-                Some(_) => {}
-            }
-            last = Some(now);
-            if stream {
-                // Streamed chunks (events other than [DONE]) stand for output tokens.
-                outcome.output_tokens +=
-                    count(&data, b"data:").saturating_sub(count(&data, b"[DONE]")) as u64;
-            } else if whole.len() + data.len() <= 1 << 20 {
-                whole.extend_from_slice(&data);
-            }
-            if session
-                .write_response_body(Some(data), false)
-                .await
-                .is_err()
-            {
-                // Client gone: dropping `body` closes the upstream connection, and the replica
-                // cancels the request.
-                return 499;
-            }
-        }
-        let _ = session.write_response_body(None, true).await;
-        outcome.e2e = started.elapsed();
-        stats.e2e_seconds.record(outcome.e2e.as_secs_f64());
-        if status == 200 {
-            if !stream {
-                outcome.output_tokens = serde_json::from_slice::<serde_json::Value>(&whole)
-                    .ok()
-                    .and_then(|v| v["usage"]["completion_tokens"].as_u64())
-                    .unwrap_or(1);
-            }
-            let rt = obs.admitted.route();
-            stats.finished(rt.now_s(), &outcome, &obs.slo);
-        }
-        status
     }
 }
 
@@ -481,33 +346,65 @@ impl ProxyHttp for GatewayProxy {
 
     async fn request_filter(&self, session: &mut Session, _ctx: &mut ()) -> Result<bool> {
         let started = Instant::now();
+        let state = &self.state;
+        let _active = state.lifecycle.enter();
         let method = session.req_header().method.clone();
         let path = session.req_header().uri.path().to_string();
-        let state = &self.state;
-        let (route, status) = match (method.as_str(), path.as_str()) {
-            ("POST", "/v1/completions") => (
-                "completions",
-                state
-                    .generate(session, Endpoint::Completions, started)
-                    .await,
-            ),
-            ("POST", "/v1/chat/completions") => (
-                "chat_completions",
-                state
-                    .generate(session, Endpoint::ChatCompletions, started)
-                    .await,
-            ),
-            ("GET", "/v1/models") => ("models", state.models(session).await),
-            ("GET", "/health") => {
+        let mut rec = AccessRecord::new(method.as_str(), &path);
+        if is_http10(session) {
+            session.set_keepalive(None);
+        }
+        let generation = match (method.as_str(), path.as_str()) {
+            ("POST", "/v1/completions") => Some(Endpoint::Completions),
+            ("POST", "/v1/chat/completions") => Some(Endpoint::ChatCompletions),
+            _ => None,
+        };
+        let (endpoint, status) = match (method.as_str(), path.as_str(), generation) {
+            (_, "/health", _) if method == http::Method::GET => {
                 let healthy = state.router.registry.healthy_count();
-                let code = if healthy > 0 { 200 } else { 503 };
-                let body = serde_json::json!({"status": if healthy > 0 {"ok"} else {"no healthy replica"}, "healthy_replicas": healthy});
+                let draining = state.lifecycle.is_draining();
+                let (code, status) = match (draining, healthy) {
+                    (true, _) => (503, "draining"),
+                    (false, 0) => (503, "no healthy replica"),
+                    _ => (200, "ok"),
+                };
+                let body = serde_json::json!({"status": status, "healthy_replicas": healthy});
                 (
                     "health",
                     respond(session, code, Bytes::from(body.to_string()), &[]).await,
                 )
             }
-            (m, p) => {
+            _ if state.lifecycle.is_draining() => {
+                session.set_keepalive(None);
+                let e = ApiError::unavailable(
+                    "the gateway is shutting down; retry on another instance",
+                )
+                .with_code("draining");
+                ("other", respond_error(session, &e).await)
+            }
+            (_, "/v1/models", _) if method == http::Method::GET => {
+                match state.keys.authenticate(&session.req_header().headers) {
+                    Ok(_) => ("models", state.models(session).await),
+                    Err(e) => {
+                        state.auth_failed("api");
+                        ("models", respond_error(session, &e).await)
+                    }
+                }
+            }
+            (_, _, Some(ep)) => {
+                let status = match state.keys.authenticate(&session.req_header().headers) {
+                    Ok(grant) => {
+                        rec.tenant = grant.as_ref().map(|g| g.tenant.clone());
+                        state.generate(session, ep, started, grant, &mut rec).await
+                    }
+                    Err(e) => {
+                        state.auth_failed("api");
+                        respond_error(session, &e).await
+                    }
+                };
+                (ep.label(), status)
+            }
+            (m, p, None) => {
                 let e = if matches!(
                     p,
                     "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health"
@@ -519,12 +416,26 @@ impl ProxyHttp for GatewayProxy {
                 ("other", respond_error(session, &e).await)
             }
         };
-        state.router.metrics.request(route, status);
+        state.router.metrics.request(endpoint, status);
+        if endpoint != "health" && state.access_log.enabled() {
+            rec.status = status;
+            rec.e2e_ms = started.elapsed().as_secs_f64() * 1e3;
+            state.access_log.write(&rec);
+        }
         Ok(true)
     }
 
     async fn upstream_peer(&self, _session: &mut Session, _ctx: &mut ()) -> Result<Box<HttpPeer>> {
         // Every request is answered in `request_filter`; pingora never gets here.
         Err(Error::new(ErrorType::InternalError))
+    }
+}
+
+impl GatewayState {
+    pub(crate) fn auth_failed(&self, port: &'static str) {
+        self.router
+            .metrics
+            .counter("kvgate_gateway_auth_failures_total", &[("port", port)])
+            .increment(1);
     }
 }

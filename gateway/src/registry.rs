@@ -45,6 +45,8 @@ pub struct ReplicaHandle {
     running: AtomicU32,
     kv_usage_bits: AtomicU64,
     events_live: AtomicBool,
+    /// The event stream was refused for want of a token (warned once).
+    events_refused: AtomicBool,
     /// Requests this gateway saw finish at the replica, and how many had finished when the
     /// last load report was requested: a report taken before one of our requests finished
     /// still counts it, so it is ignored until the next poll.
@@ -62,6 +64,13 @@ pub struct ReplicaHandle {
     /// Prompt tokens this gateway sent there since the last load report: the KV the report
     /// does not show yet.
     since_poll_tokens: AtomicU64,
+    /// Registry-clock ms + 1 of the last "not admitted" warning (0: never).
+    warned_at_ms: AtomicU64,
+    /// `max_model_len` from the replica's `/v1/models` (0: not known yet).
+    max_model_len: AtomicU64,
+    /// Bumped each time the replica is ejected: requests waiting on it give up at once (and
+    /// are retried elsewhere when nothing reached the client yet).
+    ejections: tokio::sync::watch::Sender<u64>,
 }
 
 impl ReplicaHandle {
@@ -78,6 +87,7 @@ impl ReplicaHandle {
             running: AtomicU32::new(0),
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
             events_live: AtomicBool::new(false),
+            events_refused: AtomicBool::new(false),
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
             pending_prefill: AtomicU64::new(0),
@@ -85,7 +95,25 @@ impl ReplicaHandle {
             preempted_at_ms: AtomicU64::new(0),
             capacity_tokens: AtomicU64::new(0),
             since_poll_tokens: AtomicU64::new(0),
+            max_model_len: AtomicU64::new(0),
+            warned_at_ms: AtomicU64::new(0),
+            ejections: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// Resolves when the replica is ejected after this call.
+    pub fn ejected(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.ejections.subscribe();
+        async move {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// The replica's context limit, once it said.
+    pub fn max_model_len(&self) -> Option<u64> {
+        Some(self.max_model_len.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     pub fn addr(&self) -> Option<SocketAddr> {
@@ -164,11 +192,24 @@ pub struct Registry {
     cfg: GatewayConfig,
     client: HttpClient,
     epoch: Instant,
+    /// `Authorization` sent with every request to a replica (the fleet token).
+    fleet_auth: Option<http::HeaderValue>,
 }
 
 impl Registry {
-    pub fn new(cfg: &GatewayConfig, index: Arc<PrefixIndex>, client: HttpClient) -> Self {
+    pub fn new(
+        cfg: &GatewayConfig,
+        index: Arc<PrefixIndex>,
+        client: HttpClient,
+        fleet_token: Option<&str>,
+    ) -> Self {
+        let fleet_auth = fleet_token.and_then(|t| {
+            let mut v = http::HeaderValue::from_str(&format!("Bearer {t}")).ok()?;
+            v.set_sensitive(true);
+            Some(v)
+        });
         Registry {
+            fleet_auth,
             replicas: cfg
                 .replicas
                 .iter()
@@ -180,6 +221,29 @@ impl Registry {
             client,
             epoch: Instant::now(),
         }
+    }
+
+    /// A request to a replica, carrying the fleet token.
+    pub fn request(
+        &self,
+        method: http::Method,
+        url: String,
+        body: Bytes,
+    ) -> http::Request<http_body_util::Full<Bytes>> {
+        let mut b = http::Request::builder().method(method).uri(url);
+        if let Some(a) = &self.fleet_auth {
+            b = b.header(http::header::AUTHORIZATION, a.clone());
+        }
+        if !body.is_empty() {
+            b = b.header(http::header::CONTENT_TYPE, "application/json");
+        }
+        b.body(http_body_util::Full::new(body))
+            .unwrap_or_else(|_| http::Request::new(http_body_util::Full::new(Bytes::new())))
+    }
+
+    /// The smallest context limit the replicas reported, if any did.
+    pub fn max_model_len(&self) -> Option<u64> {
+        self.replicas.iter().filter_map(|r| r.max_model_len()).min()
     }
 
     /// Seconds since start: the prefix index's clock.
@@ -288,6 +352,7 @@ impl Registry {
             let fails = r.fails.fetch_add(1, Ordering::Relaxed) + 1;
             if r.is_healthy() && fails >= h.failures_to_eject {
                 r.healthy.store(false, Ordering::Relaxed);
+                r.ejections.send_modify(|n| *n += 1);
                 self.index.remove_replica(r.slot);
                 tracing::warn!(replica = %r.name, fails, "replica ejected");
             }
@@ -303,27 +368,80 @@ impl Registry {
     }
 
     async fn get(&self, addr: SocketAddr, path: &str, timeout: Duration) -> Option<Bytes> {
-        let req = http::Request::get(format!("http://{addr}{path}"))
-            .body(http_body_util::Full::new(Bytes::new()))
-            .ok()?;
+        self.fetch(addr, path, timeout).await.ok()
+    }
+
+    /// GET `path` at `addr`; the error says why, for the operator.
+    async fn fetch(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<Bytes, String> {
+        let req = self.request(
+            http::Method::GET,
+            format!("http://{addr}{path}"),
+            Bytes::new(),
+        );
         let fut = async {
-            let resp = self.client.request(req).await.ok()?;
+            let resp = self.client.request(req).await.map_err(|e| format!("{e}"))?;
             if !resp.status().is_success() {
-                return None;
+                return Err(format!("{path} answered {}", resp.status()));
             }
-            resp.into_body().collect().await.ok().map(|c| c.to_bytes())
+            resp.into_body()
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .map_err(|e| format!("{e}"))
         };
-        tokio::time::timeout(timeout, fut).await.ok().flatten()
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| format!("{path} did not answer within {timeout:?}"))?
     }
 
     /// Runs one health check of `r` now.
     pub async fn check(&self, r: &ReplicaHandle) {
         let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
-        let ok = match self.resolve(r).await {
-            Some(addr) => self.get(addr, "/health", timeout).await.is_some(),
-            None => false,
+        let addr = self.resolve(r).await;
+        let result = match addr {
+            Some(addr) => self.fetch(addr, "/health", timeout).await.map(|_| ()),
+            None => Err(format!("cannot resolve {}", r.name)),
         };
+        let ok = result.is_ok();
+        // A replica that never answered is otherwise silent: say why, every 30 s at most.
+        if let Err(why) = &result {
+            let never_admitted = r.oks.load(Ordering::Relaxed) == 0 && !r.is_healthy();
+            let now = self.now_ms() + 1;
+            let last = r.warned_at_ms.load(Ordering::Relaxed);
+            if never_admitted && (last == 0 || now >= last + 30_000) {
+                r.warned_at_ms.store(now, Ordering::Relaxed);
+                tracing::warn!(replica = %r.name, error = %why, "replica not admitted: its health check fails");
+            }
+        }
         self.record_check(r, ok);
+        if let (true, Some(addr), None) = (ok, addr, r.max_model_len()) {
+            self.learn_model_len(r, addr, timeout).await;
+        }
+    }
+
+    /// Reads the replica's context limit from `/v1/models` (vLLM and kvgate report
+    /// `max_model_len` there).
+    async fn learn_model_len(&self, r: &ReplicaHandle, addr: SocketAddr, timeout: Duration) {
+        let Some(body) = self.get(addr, "/v1/models", timeout).await else {
+            return;
+        };
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
+            return;
+        };
+        let found = v["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m["max_model_len"].as_u64())
+            .min();
+        if let Some(n) = found {
+            r.max_model_len.store(n, Ordering::Relaxed);
+        }
     }
 
     async fn poll_load(&self, r: &ReplicaHandle) {
@@ -366,11 +484,24 @@ impl Registry {
     /// the replica reported while this runs.
     async fn follow_events(&self, r: &ReplicaHandle) -> Result<(), String> {
         let addr = r.addr().ok_or("no address yet")?;
-        let req = http::Request::get(format!("http://{addr}/kv_events"))
-            .body(http_body_util::Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
+        let req = self.request(
+            http::Method::GET,
+            format!("http://{addr}/kv_events"),
+            Bytes::new(),
+        );
         let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
         if !resp.status().is_success() {
+            if matches!(resp.status().as_u16(), 401 | 403)
+                && !r.events_refused.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(
+                    replica = %r.name,
+                    status = %resp.status(),
+                    "the replica refuses its KV event stream: give the gateway the fleet's token \
+                     (KVGATE_FLEET_TOKEN or auth.fleet_token_file); until then routing uses the \
+                     approximate index"
+                );
+            }
             return Err(format!("status {}", resp.status()));
         }
         let mut body = resp.into_body();

@@ -7,10 +7,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
+use serde::Deserialize;
+
 use policies::{RouteDecision, RouteRequest, RoutingPolicy};
 use protocol::hashing::{block_hashes, cacheable_prompt_blocks, root_hash};
 use protocol::openai::{ChatCompletionRequest, CompletionRequest, PromptInput};
 use protocol::segment_cache::SegmentCache;
+use protocol::token_bound::LimitCheck;
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
 use serde_json::{json, Value};
@@ -41,19 +45,65 @@ impl Endpoint {
     }
 }
 
+/// Who sends a request, as far as its prompt is concerned.
+#[derive(Debug, Clone, Default)]
+pub struct Caller {
+    pub session_id: Option<String>,
+    /// The tenant's cache scope: prefixed to the request's own `cache_salt`, so tenants never
+    /// share prefix blocks unless the policy groups them. `None`: the anonymous single tenant,
+    /// whose own salt passes through.
+    pub tenant_salt: Option<String>,
+}
+
 /// A parsed, tokenised, hashed request ready to route.
 #[derive(Debug, Clone)]
 pub struct Prepared {
     pub endpoint: Endpoint,
     pub stream: bool,
+    /// Prompt tokens of the whole request (summed over a batched prompt list): what routes
+    /// classify, budgets count and admission prices.
     pub prompt_tokens: usize,
-    /// Hashes of every full block of the prompt.
+    /// The longest single prompt of the request.
+    pub largest_prompt_tokens: usize,
+    /// Hashes of every full block of the (first) prompt.
     pub hashes: Vec<u64>,
     /// Leading blocks a replica could serve from cache (the last prompt token is always
     /// computed).
     pub cacheable: usize,
     pub session_id: Option<String>,
     pub tokenize_seconds: f64,
+    /// The body as it is forwarded: the client's `priority` removed, the tenant's salt in
+    /// `cache_salt`; [`Prepared::body_for`] adds the route's engine priority.
+    doc: Arc<serde_json::Map<String, Value>>,
+}
+
+#[derive(serde::Serialize)]
+struct Outgoing<'a> {
+    #[serde(flatten)]
+    doc: &'a serde_json::Map<String, Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    priority: Option<i32>,
+}
+
+impl Prepared {
+    /// The body to send upstream, with `engine_priority` as the body's `priority` (left out
+    /// when 0, which engines without priority scheduling require).
+    pub fn body_for(&self, engine_priority: i32) -> Bytes {
+        let out = Outgoing {
+            doc: &self.doc,
+            priority: (engine_priority != 0).then_some(engine_priority),
+        };
+        Bytes::from(serde_json::to_vec(&out).unwrap_or_default())
+    }
+}
+
+/// Limits on the prompt, checked before and after tokenising.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptLimits {
+    /// Tokens of one prompt.
+    pub per_prompt: usize,
+    /// Tokens of a request, summed over a batched prompt list.
+    pub per_request: usize,
 }
 
 pub struct Router {
@@ -63,6 +113,20 @@ pub struct Router {
     pub block_size: usize,
     pub registry: Arc<Registry>,
     pub metrics: Arc<GatewayMetrics>,
+}
+
+fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
+    let n = if exact {
+        format!("{at_least}")
+    } else {
+        format!("at least {at_least}")
+    };
+    ApiError::invalid_request(format!(
+        "The prompt has {n} tokens; this gateway accepts at most {limit} tokens per prompt. \
+         Please shorten the prompt."
+    ))
+    .with_param("messages")
+    .with_code("context_length_exceeded")
 }
 
 impl Router {
@@ -96,35 +160,127 @@ impl Router {
         }
     }
 
+    fn refused(&self, stage: &'static str) {
+        self.metrics
+            .counter("kvgate_gateway_prompts_refused_total", &[("stage", stage)])
+            .increment(1);
+    }
+
+    /// Tokenises `text` unless it is certainly over `limit`, with work bounded by the limit
+    /// rather than by the text (see `protocol::token_bound`); `encode` does the exact pass.
+    fn encode_bounded(
+        &self,
+        text: &str,
+        limit: usize,
+        encode: impl FnOnce(&str) -> Result<Vec<u32>, ApiError>,
+    ) -> Result<Vec<u32>, ApiError> {
+        match self.tokenizer.check_limit(text, limit)? {
+            LimitCheck::Exceeds {
+                at_least,
+                tokenized_bytes,
+            } => {
+                self.refused(if tokenized_bytes == 0 {
+                    "bytes"
+                } else {
+                    "pieces"
+                });
+                Err(too_long(at_least, limit, false))
+            }
+            LimitCheck::MayFit => {
+                let ids = encode(text)?;
+                if ids.len() > limit {
+                    self.refused("exact");
+                    return Err(too_long(ids.len(), limit, true));
+                }
+                Ok(ids)
+            }
+        }
+    }
+
     /// Parses, validates, tokenises and hashes (blocking: call from the blocking pool).
     pub fn prepare(
         &self,
         endpoint: Endpoint,
         body: &[u8],
-        session_id: Option<String>,
+        caller: &Caller,
+        limits: PromptLimits,
     ) -> Result<Prepared, ApiError> {
         let invalid_json = |e: serde_json::Error| {
             ApiError::invalid_request(format!("invalid JSON body: {e}")).with_code("invalid_json")
         };
         let started = Instant::now();
-        let (tokens, stream, salt) = match endpoint {
+        let mut doc = match serde_json::from_slice::<Value>(body).map_err(invalid_json)? {
+            Value::Object(m) => m,
+            _ => {
+                return Err(ApiError::invalid_request("the body must be a JSON object")
+                    .with_code("invalid_json"))
+            }
+        };
+        // The client's priority is never forwarded: the route decides it (`body_for`).
+        doc.remove("priority");
+        let client_salt = match doc.get("cache_salt") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => {
+                return Err(ApiError::invalid_request("cache_salt must be a string")
+                    .with_param("cache_salt"))
+            }
+        };
+        let salt = match (&caller.tenant_salt, client_salt) {
+            (Some(t), Some(c)) => Some(format!("{t}/{c}")),
+            (Some(t), None) => Some(t.clone()),
+            (None, c) => c,
+        };
+        match &salt {
+            Some(s) => doc.insert("cache_salt".into(), Value::String(s.clone())),
+            None => doc.remove("cache_salt"),
+        };
+        let view = Value::Object(doc);
+        let limit = limits.per_prompt;
+        let (first, total, largest, stream) = match endpoint {
             Endpoint::Completions => {
-                let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid_json)?;
+                let r = CompletionRequest::deserialize(&view).map_err(invalid_json)?;
                 r.validate()?;
                 self.check_model(r.model.as_deref())?;
-                // A batch goes to one replica; its first prompt decides where.
-                let first = r.prompt.inputs().into_iter().next().ok_or_else(|| {
+                let mut first: Option<Vec<u32>> = None;
+                let (mut total, mut largest) = (0usize, 0usize);
+                // Every member is counted (the list is classified by its total); the first
+                // decides where the request goes.
+                for input in r.prompt.inputs() {
+                    let ids = match input {
+                        PromptInput::Text(t) => {
+                            let budget = limit.min(limits.per_request.saturating_sub(total));
+                            self.encode_bounded(&t, budget, |t| {
+                                Ok(self.tokenizer.encode(t, true)?)
+                            })?
+                        }
+                        PromptInput::Tokens(ids) if ids.len() > limit => {
+                            self.refused("exact");
+                            return Err(too_long(ids.len(), limit, true).with_param("prompt"));
+                        }
+                        PromptInput::Tokens(ids) => ids,
+                    };
+                    total += ids.len();
+                    largest = largest.max(ids.len());
+                    if total > limits.per_request {
+                        self.refused("exact");
+                        return Err(ApiError::invalid_request(format!(
+                            "the prompts of this request have at least {total} tokens together; \
+                             this gateway accepts at most {} per request",
+                            limits.per_request
+                        ))
+                        .with_param("prompt")
+                        .with_code("context_length_exceeded"));
+                    }
+                    first.get_or_insert(ids);
+                }
+                let first = first.ok_or_else(|| {
                     ApiError::invalid_request("prompt must not be empty").with_param("prompt")
                 })?;
-                let tokens = match first {
-                    PromptInput::Text(t) => self.tokenizer.encode(&t, true)?,
-                    PromptInput::Tokens(ids) => ids,
-                };
-                (tokens, r.stream, r.sampling.cache_salt)
+                (first, total, largest, r.stream)
             }
             Endpoint::ChatCompletions => {
-                let r: ChatCompletionRequest =
-                    serde_json::from_slice(body).map_err(invalid_json)?;
+                let r = ChatCompletionRequest::deserialize(&view).map_err(invalid_json)?;
                 r.validate()?;
                 self.check_model(r.model.as_deref())?;
                 let text = self.tokenizer.apply_chat_template(
@@ -133,21 +289,30 @@ impl Router {
                     r.tools.as_deref(),
                     r.chat_template_kwargs.as_ref(),
                 )?;
-                let tokens = self.segments.encode(&self.tokenizer, &text)?;
-                (tokens, r.stream, r.sampling.cache_salt)
+                let ids = self.encode_bounded(&text, limit.min(limits.per_request), |t| {
+                    Ok(self.segments.encode(&self.tokenizer, t)?)
+                })?;
+                let n = ids.len();
+                (ids, n, n, r.stream)
             }
+        };
+        let doc = match view {
+            Value::Object(d) => d,
+            _ => serde_json::Map::new(),
         };
         let tokenize_seconds = started.elapsed().as_secs_f64();
         let root = root_hash(&self.model, None, salt.as_deref());
-        let hashes = block_hashes(root, &tokens, self.block_size);
+        let hashes = block_hashes(root, &first, self.block_size);
         Ok(Prepared {
             endpoint,
             stream,
-            prompt_tokens: tokens.len(),
-            cacheable: cacheable_prompt_blocks(tokens.len(), self.block_size).min(hashes.len()),
+            prompt_tokens: total,
+            largest_prompt_tokens: largest,
+            cacheable: cacheable_prompt_blocks(first.len(), self.block_size).min(hashes.len()),
             hashes,
-            session_id,
+            session_id: caller.session_id.clone(),
             tokenize_seconds,
+            doc: Arc::new(doc),
         })
     }
 

@@ -1,9 +1,10 @@
 //! Assembling and running the gateway: tokenizer, prefix index, registry (with its background
-//! health, load and KV-event tasks), the policy store (reloaded on SIGHUP and when the policy
-//! file changes), the pingora proxy app on the public listener, and a small hyper admin server
-//! (`/metrics`, `/admin/route/explain`, `/admin/replicas`, `/admin/policy`,
-//! `/admin/policy/reload`) on its own listener. Listeners are bound by the caller, so tests can
-//! use port 0.
+//! health, load and KV-event tasks), the policy store and API keys (reloaded on SIGHUP and when
+//! their files change), the pingora proxy app on the public listener behind the connection
+//! guard (`conn.rs`), and a small hyper admin server (`/metrics`, `/admin/route/explain`,
+//! `/admin/replicas`, `/admin/policy`, `/admin/policy/reload`) on its own listener, behind the
+//! admin token. Listeners are bound by the caller, so tests can use port 0. `run` serves until
+//! its shutdown future resolves, then drains (`lifecycle.rs`).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -23,15 +24,21 @@ use pingora::server::configuration::ServerConf;
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
+use crate::access_log::AccessLog;
 use crate::admission::LatencyModel;
+use crate::auth::{
+    check_bearer, is_loopback, read_secret, ApiKeyStore, ADMIN_TOKEN_ENV, FLEET_TOKEN_ENV,
+};
+use crate::conn::{accept_loop, connection_budget, ConnMetrics, GuardedStream, HeaderLimits};
+use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;
 use crate::policy_store::PolicyStore;
 use crate::prefix_index::PrefixIndex;
 use crate::proxy::{GatewayProxy, GatewayState};
 use crate::registry::{http_client, Registry};
-use crate::router::{Endpoint, Router};
+use crate::router::{Caller, Endpoint, PromptLimits, Router};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -41,6 +48,10 @@ pub enum GatewayError {
     NoTokenizer,
     #[error("policy file {0}: {1}")]
     Policy(String, String),
+    #[error("{0}")]
+    Auth(String),
+    #[error("access log {0}: {1}")]
+    AccessLog(String, std::io::Error),
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -49,6 +60,9 @@ pub struct GatewayServer {
     listener: TcpListener,
     admin: TcpListener,
     state: Arc<GatewayState>,
+    limits: HeaderLimits,
+    max_connections: usize,
+    drain_timeout: Duration,
 }
 
 pub async fn build_gateway(
@@ -65,9 +79,35 @@ pub async fn build_gateway(
         .await
         .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?
         .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?;
+    let admin_token = match &cfg.auth.admin_token {
+        Some(t) => Some(t.clone()),
+        None => read_secret(ADMIN_TOKEN_ENV, cfg.auth.admin_token_file.as_deref())
+            .map_err(GatewayError::Auth)?,
+    };
+    if admin_token.is_none() && !is_loopback(&admin.local_addr()?.to_string()) {
+        return Err(GatewayError::Auth(format!(
+            "the admin port listens on {} (not loopback): give it a token with {ADMIN_TOKEN_ENV} \
+             or auth.admin_token_file, or listen on 127.0.0.1",
+            admin.local_addr()?
+        )));
+    }
+    let fleet_token = match &cfg.auth.fleet_token {
+        Some(t) => Some(t.clone()),
+        None => read_secret(FLEET_TOKEN_ENV, cfg.auth.fleet_token_file.as_deref())
+            .map_err(GatewayError::Auth)?,
+    };
+    let keys = ApiKeyStore::new(cfg.auth.api_keys_file.as_ref().map(PathBuf::from))
+        .map_err(GatewayError::Auth)?;
+    let access_log = AccessLog::new(&cfg.access_log)
+        .map_err(|e| GatewayError::AccessLog(cfg.access_log.path.clone(), e))?;
     let client = http_client(Duration::from_millis(cfg.upstream.connect_timeout_ms));
     let index = Arc::new(PrefixIndex::new(cfg.index.approx_capacity_blocks));
-    let registry = Arc::new(Registry::new(&cfg, index.clone(), client.clone()));
+    let registry = Arc::new(Registry::new(
+        &cfg,
+        index.clone(),
+        client.clone(),
+        fleet_token.as_deref(),
+    ));
     let metrics = Arc::new(GatewayMetrics::new(&cfg.replicas));
     // First health check before accepting traffic, so a ready gateway knows its fleet.
     futures::future::join_all(registry.replicas.iter().map(|r| registry.check(r))).await;
@@ -80,10 +120,24 @@ pub async fn build_gateway(
         registry.clone(),
         metrics.clone(),
     );
+    let d = &cfg.downstream;
+    let tokenizers = match d.tokenize_concurrency {
+        0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+        n => n,
+    };
     let state = Arc::new(GatewayState {
         router,
         client,
         max_body_bytes: cfg.upstream.max_body_bytes,
+        body_timeout: Duration::from_millis(d.body_timeout_ms),
+        keys,
+        admin_token,
+        lifecycle: Arc::new(Lifecycle::default()),
+        access_log,
+        tokenize_slots: Arc::new(Semaphore::new(tokenizers)),
+        tokenize_wait: Duration::from_millis(d.tokenize_queue_timeout_ms),
+        max_request_prompt_tokens: d.max_request_prompt_tokens,
+        model_len_override: cfg.model.max_model_len,
         retries: cfg.upstream.retries,
         retry_backoff: Duration::from_millis(cfg.upstream.retry_backoff_ms),
         first_byte_timeout: Duration::from_secs(cfg.upstream.first_byte_timeout_s),
@@ -118,10 +172,20 @@ pub async fn build_gateway(
             m.upkeep();
         }
     });
+    let limits = HeaderLimits {
+        header_timeout: Duration::from_millis(d.header_timeout_ms),
+        keepalive_timeout: Duration::from_secs(d.keepalive_timeout_s),
+        max_header_bytes: d.max_header_bytes,
+        max_headers: d.max_headers,
+    };
+    let max_connections = connection_budget(d.max_connections);
     Ok(GatewayServer {
         listener,
         admin,
         state,
+        limits,
+        max_connections,
+        drain_timeout: Duration::from_secs(d.drain_timeout_s),
     })
 }
 
@@ -158,11 +222,9 @@ fn load_policy(
     ))
 }
 
-/// Reloads the policy file when it changes (checked every second) and on SIGHUP.
+/// Reloads the policy file and the API key file when they change (checked every second) and
+/// on SIGHUP.
 fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
-    if state.policies.path().is_none() {
-        return;
-    }
     let weak = Arc::downgrade(state);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -170,7 +232,10 @@ fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
         loop {
             tick.tick().await;
             let Some(s) = weak.upgrade() else { return };
-            let _ = s.policies.reload(false);
+            if s.policies.path().is_some() {
+                let _ = s.policies.reload(false);
+            }
+            let _ = s.keys.reload(false);
         }
     });
     #[cfg(unix)]
@@ -182,8 +247,11 @@ fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
                 tokio::spawn(async move {
                     while hup.recv().await.is_some() {
                         let Some(s) = weak.upgrade() else { return };
-                        tracing::info!("SIGHUP: reloading the policy file");
-                        let _ = s.policies.reload(true);
+                        tracing::info!("SIGHUP: reloading the policy and API key files");
+                        if s.policies.path().is_some() {
+                            let _ = s.policies.reload(true);
+                        }
+                        let _ = s.keys.reload(true);
                     }
                 });
             }
@@ -215,7 +283,9 @@ impl GatewayServer {
         self.state.clone()
     }
 
-    /// Serves both listeners until `shutdown` resolves.
+    /// Serves both listeners until `shutdown` resolves, then drains: no new connections,
+    /// `/health` answers 503, requests in progress finish (up to the drain timeout, after
+    /// which open streams end with an error event), and the function returns.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
         let (tx, rx) = watch::channel(false);
         let conf = Arc::new(ServerConf::default());
@@ -225,48 +295,105 @@ impl GatewayServer {
                 state: self.state.clone(),
             },
         ));
+        let metrics = &self.state.router.metrics;
+        let conn_metrics = Arc::new(ConnMetrics {
+            header_timeout: metrics.counter(
+                "kvgate_gateway_connections_closed_total",
+                &[("reason", "header_timeout")],
+            ),
+            header_too_large: metrics.counter(
+                "kvgate_gateway_connections_closed_total",
+                &[("reason", "header_too_large")],
+            ),
+            refused: metrics.counter("kvgate_gateway_connections_refused_total", &[]),
+            open: metrics.gauge("kvgate_gateway_connections_open"),
+        });
         let admin_state = self.state.clone();
         let admin = self.admin;
+        let admin_errors = metrics.counter(
+            "kvgate_gateway_accept_errors_total",
+            &[("listener", "admin")],
+        );
         let admin_task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = admin.accept().await else {
-                    continue;
-                };
-                let st = admin_state.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| admin_handle(st.clone(), req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
-        let listener = self.listener;
-        tokio::pin!(shutdown);
-        loop {
-            let (tcp, _) = tokio::select! {
-                _ = &mut shutdown => break,
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        continue;
+            let listener = admin;
+            accept_loop(
+                &listener,
+                "admin",
+                None,
+                None,
+                admin_errors,
+                std::future::pending::<()>(),
+                move |stream, _| {
+                    let st = admin_state.clone();
+                    async move {
+                        let svc = service_fn(move |req| admin_handle(st.clone(), req));
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .await;
                     }
                 },
-            };
-            let _ = tcp.set_nodelay(true);
-            let app = app.clone();
-            let rx = rx.clone();
-            tokio::spawn(async move {
-                let l4: pingora::protocols::l4::stream::Stream = tcp.into();
-                let mut stream: pingora::protocols::Stream = Box::new(l4);
-                // A kept-alive connection comes back for its next request.
-                while let Some(next) = app.process_new(stream, &rx).await {
-                    stream = next;
+            )
+            .await;
+        });
+        let slots = Arc::new(Semaphore::new(self.max_connections));
+        let limits = self.limits;
+        let api_errors =
+            metrics.counter("kvgate_gateway_accept_errors_total", &[("listener", "api")]);
+        let listener = self.listener;
+        accept_loop(
+            &listener,
+            "api",
+            Some(slots),
+            Some(conn_metrics.clone()),
+            api_errors,
+            shutdown,
+            |tcp, permit| {
+                let (app, rx, m) = (app.clone(), rx.clone(), conn_metrics.clone());
+                async move {
+                    let _permit = permit;
+                    m.open.increment(1.0);
+                    let mut stream: pingora::protocols::Stream =
+                        Box::new(GuardedStream::new(tcp, limits, m.clone()));
+                    // A kept-alive connection comes back for its next request.
+                    while let Some(next) = app.process_new(stream, &rx).await {
+                        match next.into_any().downcast::<GuardedStream>() {
+                            Ok(mut g) => {
+                                g.next_request();
+                                stream = g;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    m.open.decrement(1.0);
                 }
-            });
-        }
+            },
+        )
+        .await;
+        drop(listener);
+        let lifecycle = self.state.lifecycle.clone();
+        self.state
+            .router
+            .metrics
+            .gauge("kvgate_gateway_draining")
+            .set(1.0);
+        // Idle kept-alive connections close; requests in progress go on.
         let _ = tx.send(true);
+        tracing::info!(
+            in_flight = lifecycle.active(),
+            deadline_s = self.drain_timeout.as_secs(),
+            "draining: no new connections, waiting for requests in progress"
+        );
+        let left = lifecycle
+            .drain(self.drain_timeout, Duration::from_secs(2))
+            .await;
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "drain deadline passed; open responses were ended with an error event"
+            );
+        } else {
+            tracing::info!("drained");
+        }
         admin_task.abort();
     }
 }
@@ -295,6 +422,13 @@ async fn admin_handle(
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    if let Err(e) = check_bearer(req.headers(), state.admin_token.as_deref()) {
+        state.auth_failed("admin");
+        let mut r = json(e.status, e.to_json());
+        r.headers_mut()
+            .insert("www-authenticate", http::HeaderValue::from_static("Bearer"));
+        return Ok(r);
+    }
     let resp = match (method.as_str(), path.as_str()) {
         ("GET", "/metrics") => Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
@@ -372,7 +506,15 @@ async fn admin_handle(
                         Ok(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
                         _ => Endpoint::Completions,
                     };
-                    match state.prepare(endpoint, body, session).await {
+                    let caller = Caller {
+                        session_id: session,
+                        tenant_salt: None,
+                    };
+                    let limits = PromptLimits {
+                        per_prompt: state.model_limit(),
+                        per_request: state.max_request_prompt_tokens,
+                    };
+                    match state.prepare(endpoint, body, caller, limits).await {
                         Ok(p) => {
                             let active = state.policies.load();
                             let route = active.route(p.prompt_tokens, priority);

@@ -78,16 +78,18 @@ pub struct CompareReport {
     pub flush_errors: Vec<String>,
 }
 
+/// `POST /flush_cache` at each replica; the replicas' fleet token (`KVGATE_FLEET_TOKEN`) is
+/// sent when set, since the endpoint is internal.
 async fn flush(client: &reqwest::Client, urls: &[String]) -> Vec<String> {
     let mut errors = Vec::new();
+    let token = std::env::var("KVGATE_FLEET_TOKEN").ok();
     for u in urls {
         let url = format!("{}/flush_cache", u.trim_end_matches('/'));
-        match client
-            .post(&url)
-            .timeout(Duration::from_secs(10))
-            .send()
-            .await
-        {
+        let mut req = client.post(&url).timeout(Duration::from_secs(10));
+        if let Some(t) = &token {
+            req = req.bearer_auth(t.trim());
+        }
+        match req.send().await {
             Ok(r) if r.status().is_success() => {}
             Ok(r) => errors.push(format!("{url}: {}", r.status())),
             Err(e) => errors.push(format!("{url}: {e}")),

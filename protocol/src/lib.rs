@@ -4,6 +4,7 @@
 //! gateway predicts is exactly the prefix the replica caches.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod chat_template;
 pub mod error;
 pub mod hashing;
@@ -11,6 +12,7 @@ pub mod kv_events;
 pub mod openai;
 pub mod segment_cache;
 pub mod sse;
+pub mod token_bound;
 pub mod tokenizer;
 
 pub use error::ApiError;

@@ -55,6 +55,8 @@ pub struct TextTokenizer {
     template: Option<ChatTemplate>,
     eos_token_id: Option<u32>,
     vocab_size: usize,
+    /// Most input bytes one token can stand for (see `token_bound.rs`).
+    max_bytes_per_token: usize,
     dir: PathBuf,
 }
 
@@ -121,11 +123,27 @@ impl TextTokenizer {
         };
         let eos_token_id = eos.as_deref().and_then(|e| inner.token_to_id(e));
         let vocab_size = inner.get_vocab_size(true);
+        // A vocabulary entry's UTF-8 length is at least the input bytes it stands for (byte-level
+        // alphabets and the metaspace symbol take more bytes than they represent); a normaliser
+        // can shrink the input (NFC composes), hence the factor 2.
+        let longest = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1);
+        let max_bytes_per_token = longest
+            * if inner.get_normalizer().is_some() {
+                2
+            } else {
+                1
+            };
         Ok(TextTokenizer {
             inner,
             template,
             eos_token_id,
             vocab_size,
+            max_bytes_per_token,
             dir: dir.to_path_buf(),
         })
     }
@@ -136,6 +154,11 @@ impl TextTokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// Most input bytes one token can stand for: `bytes / this` tokens is a lower bound.
+    pub fn max_bytes_per_token(&self) -> usize {
+        self.max_bytes_per_token
     }
 
     pub fn eos_token_id(&self) -> Option<u32> {

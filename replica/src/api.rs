@@ -40,6 +40,24 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
+/// Refuses a text prompt that certainly does not fit the context, with work bounded by the
+/// limit rather than by the text (`protocol::token_bound`).
+fn check_fits(
+    tok: &protocol::tokenizer::TextTokenizer,
+    text: &str,
+    limit: usize,
+) -> Result<(), ApiError> {
+    match tok.check_limit(text, limit)? {
+        protocol::token_bound::LimitCheck::MayFit => Ok(()),
+        protocol::token_bound::LimitCheck::Exceeds { at_least, .. } => Err(ApiError::invalid_request(
+            format!(
+                "This model's maximum context length is {limit} tokens; the prompt has at least {at_least}."
+            ),
+        )
+        .with_code("context_length_exceeded")),
+    }
+}
+
 /// Runs tokenisation (tens of milliseconds for long prompts) on the blocking pool.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
@@ -284,11 +302,15 @@ pub async fn completions(state: Arc<AppState>, body: &[u8]) -> Result<Response<B
     check_model(&state, req.model.as_deref())?;
     let tok = state.tokenizer.clone();
     let inputs = req.prompt.inputs();
+    let limit = state.info.max_model_len;
     let prompts = blocking(move || {
         inputs
             .into_iter()
             .map(|input| match input {
-                PromptInput::Text(t) => tok.encode(&t, true).map_err(ApiError::from),
+                PromptInput::Text(t) => {
+                    check_fits(&tok, &t, limit)?;
+                    tok.encode(&t, true).map_err(ApiError::from)
+                }
                 PromptInput::Tokens(ids) => {
                     if let Some(bad) = ids.iter().find(|&&id| id as usize >= tok.vocab_size()) {
                         Err(ApiError::invalid_request(format!(
@@ -359,13 +381,16 @@ pub async fn chat_completions(
     check_model(&state, req.model.as_deref())?;
     let tok = state.tokenizer.clone();
     let r = req.clone();
+    let limit = state.info.max_model_len;
     let prompt = blocking(move || {
-        tok.encode_chat(
+        let text = tok.apply_chat_template(
             &r.messages,
             r.add_generation_prompt.unwrap_or(true),
             r.tools.as_deref(),
             r.chat_template_kwargs.as_ref(),
-        )
+        )?;
+        check_fits(&tok, &text, limit)?;
+        Ok(tok.encode(&text, false)?)
     })
     .await?;
     if prompt.is_empty() {

@@ -45,6 +45,13 @@ pub struct ReplicaConfig {
     pub time_scale: f64,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// The fleet token: required for the internal endpoints (`/kv_events`, `/flush_cache`,
+    /// `/tokenize`, `/detokenize`), which are refused altogether without one.
+    pub fleet_token: Option<String>,
+    /// Also require the fleet token on `/v1/*`, so clients cannot go around the gateway.
+    pub restrict_api: bool,
+    /// On shutdown: how long requests in progress may finish.
+    pub drain_timeout: Duration,
 }
 
 impl ReplicaConfig {
@@ -68,6 +75,9 @@ impl ReplicaConfig {
             bandwidth_efficiency: crate::roofline::DEFAULT_BANDWIDTH_EFFICIENCY,
             time_scale: 1.0,
             max_body_bytes: 64 << 20,
+            fleet_token: None,
+            restrict_api: false,
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -114,11 +124,14 @@ pub struct AppState {
     pub metrics: Arc<ReplicaMetrics>,
     pub replica_header: HeaderValue,
     pub max_body_bytes: usize,
+    pub fleet_token: Option<String>,
+    pub restrict_api: bool,
 }
 
 pub struct ReplicaServer {
     listener: TcpListener,
     state: Arc<AppState>,
+    drain_timeout: Duration,
 }
 
 impl ReplicaServer {
@@ -132,9 +145,16 @@ impl ReplicaServer {
         self.state.clone()
     }
 
-    /// Serves until `shutdown` resolves.
+    /// Serves until `shutdown` resolves, then drains: stops accepting, lets requests in
+    /// progress finish (up to the drain timeout) and closes every connection.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
-        crate::server::serve(self.listener, self.state, shutdown).await;
+        crate::server::serve(self.listener, self.state, shutdown, self.drain_timeout).await;
+    }
+
+    /// Serves until `shutdown` resolves, then closes every connection at once, as if the
+    /// process had died (tests of failure handling).
+    pub async fn run_until_killed(self, shutdown: impl std::future::Future<Output = ()>) {
+        crate::server::serve(self.listener, self.state, shutdown, Duration::ZERO).await;
     }
 }
 
@@ -154,6 +174,11 @@ pub async fn build_server(
         BackendKind::Sim => {}
         BackendKind::Cpu => return Err(BuildError::BackendUnavailable("cpu")),
         BackendKind::Cuda => return Err(BuildError::BackendUnavailable("cuda")),
+    }
+    if cfg.restrict_api && cfg.fleet_token.is_none() {
+        return Err(BuildError::Invalid(
+            "restricting /v1/* to the fleet needs a fleet token (--fleet-token-file or KVGATE_FLEET_TOKEN)".into(),
+        ));
     }
     if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
         return Err(BuildError::Invalid(
@@ -287,7 +312,10 @@ pub async fn build_server(
     );
     Ok(ReplicaServer {
         listener,
+        drain_timeout: cfg.drain_timeout,
         state: Arc::new(AppState {
+            fleet_token: cfg.fleet_token.clone(),
+            restrict_api: cfg.restrict_api,
             info,
             tokenizer,
             engine: handle,

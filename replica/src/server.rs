@@ -1,8 +1,19 @@
 //! The replica's HTTP/1.1 server on hyper: accepts connections, routes each request, turns
 //! every error into an OpenAI-shaped body and stamps every response with `x-kvgate-replica`.
+//!
+//! Trust: the internal endpoints — `/kv_events` (every cached block's token ids),
+//! `/tokenize`, `/detokenize` (which turn those ids back into other users' text) and
+//! `/flush_cache` — answer only requests carrying the fleet token, and none at all on a replica
+//! started without one. `/v1/*` can be restricted the same way (`--restrict-api`), so clients
+//! cannot go around the gateway's admission. Health, load and model information stay open for
+//! routers and monitoring.
+//!
+//! Shutdown drains: the listener closes, each connection finishes the requests it has (streams
+//! included) and then closes, up to the drain timeout; then whatever is left is cut.
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -95,10 +106,32 @@ const KNOWN: &[&str] = &[
     "/flush_cache",
 ];
 
+/// Endpoints that reveal or change the cache or the tokeniser: fleet token only.
+const INTERNAL: &[&str] = &["/kv_events", "/flush_cache", "/tokenize", "/detokenize"];
+
+fn authorize(state: &AppState, path: &str, headers: &http::HeaderMap) -> Result<(), ApiError> {
+    let internal = INTERNAL.contains(&path);
+    let api = state.restrict_api && path.starts_with("/v1/");
+    if !internal && !api {
+        return Ok(());
+    }
+    match &state.fleet_token {
+        Some(t) => protocol::auth::check_bearer(headers, Some(t)),
+        None => Err(protocol::auth::unauthorized(
+            &format!(
+                "{path} is an internal endpoint and this replica has no fleet token; start it \
+                 with --fleet-token-file or KVGATE_FLEET_TOKEN and give the gateway the same token"
+            ),
+            "fleet_token_required",
+        )),
+    }
+}
+
 async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let limit = state.max_body_bytes;
+    authorize(&state, &path, req.headers())?;
     match (&method, path.as_str()) {
         (&Method::POST, "/v1/completions") => {
             let body = read_body(req, limit).await?;
@@ -154,25 +187,40 @@ async fn handle(
     Ok(resp)
 }
 
-/// Accepts connections until `shutdown` resolves, then closes every open connection (in-flight
-/// requests end as if the process had died, which is what callers of a shutdown expect).
+/// Accepts connections until `shutdown` resolves, then drains for up to `drain`: every
+/// connection finishes the requests it has (streams included) and closes; what is left after
+/// that is cut. With a zero `drain`, every connection closes at once, as if the process had
+/// died.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()>,
+    drain: Duration,
 ) {
     tokio::pin!(shutdown);
-    let (closing_tx, closing) = tokio::sync::watch::channel(false);
+    // 1: finish what you have, then close; 2: close now.
+    let (closing_tx, closing) = tokio::sync::watch::channel(0u8);
+    let mut conns = tokio::task::JoinSet::new();
+    let mut backoff = Duration::ZERO;
+    let mut last_log: Option<std::time::Instant> = None;
     loop {
         let (stream, _) = tokio::select! {
-            _ = &mut shutdown => {
-                let _ = closing_tx.send(true);
-                return;
-            }
+            _ = &mut shutdown => break,
+            // Reap finished connection tasks so the set stays small.
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
             r = listener.accept() => match r {
-                Ok(c) => c,
+                Ok(c) => {
+                    backoff = Duration::ZERO;
+                    c
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    // Out of descriptors, say: back off instead of spinning, log rarely.
+                    if last_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                        tracing::warn!(error = %e, "accept failed; backing off");
+                        last_log = Some(std::time::Instant::now());
+                    }
+                    backoff = (backoff * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+                    tokio::time::sleep(backoff).await;
                     continue;
                 }
             },
@@ -180,18 +228,47 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let state = state.clone();
         let mut closing = closing.clone();
-        tokio::spawn(async move {
+        conns.spawn(async move {
             let svc = service_fn(move |req| handle(state.clone(), req));
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc);
-            tokio::select! {
-                r = conn => {
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "connection ended with an error");
+            tokio::pin!(conn);
+            loop {
+                tokio::select! {
+                    r = conn.as_mut() => {
+                        if let Err(e) = r {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                        return;
+                    }
+                    changed = closing.changed() => {
+                        match (changed, *closing.borrow()) {
+                            (Ok(()), 1) => conn.as_mut().graceful_shutdown(),
+                            _ => return,
+                        }
                     }
                 }
-                _ = closing.changed() => {}
             }
         });
+    }
+    drop(listener);
+    if drain.is_zero() {
+        let _ = closing_tx.send(2);
+        return;
+    }
+    let _ = closing_tx.send(1);
+    let open = conns.len();
+    if open > 0 {
+        tracing::info!(connections = open, deadline_s = drain.as_secs(), "draining");
+    }
+    let finished =
+        tokio::time::timeout(drain, async { while conns.join_next().await.is_some() {} }).await;
+    if finished.is_err() {
+        tracing::warn!(
+            left = conns.len(),
+            "drain deadline passed; closing the remaining connections"
+        );
+        let _ = closing_tx.send(2);
+        conns.shutdown().await;
     }
 }

@@ -5,7 +5,7 @@ mod common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::{start_gateway, start_replica};
+use common::{exact_hit_signals, start_gateway, start_replica};
 use futures::StreamExt;
 use protocol::sse::{SseDecoder, SseEvent};
 use serde_json::{json, Value};
@@ -79,7 +79,7 @@ async fn shared_prefixes_stick_and_distinct_prefixes_spread() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_blocks_equal_the_replicas_cached_tokens() {
     let reps = [start_replica(|_| {}).await, start_replica(|_| {}).await];
-    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), exact_hit_signals).await;
     let sys = system_prompt("parity");
     let long_prefix = "The quick brown fox jumps over the lazy dog. ".repeat(30);
     let requests = [

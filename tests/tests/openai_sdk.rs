@@ -41,7 +41,7 @@ async fn openai_sdk_streams_through_kvgate_up() {
             .expect("kvgate up prints its URL")
             .unwrap()
             .expect("kvgate up exited early");
-        if let Some(rest) = line.strip_prefix("kvgate gateway at ") {
+        if let Some(rest) = line.strip_prefix("kvgate gateway ready at ") {
             break rest.split_whitespace().next().unwrap().to_string();
         }
     };

@@ -9,6 +9,9 @@ use replica::ReplicaConfig;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
+/// The fleet token test replicas and gateways share.
+pub const FLEET_TOKEN: &str = "test-fleet-token-0123456789abcdef";
+
 pub fn tokenizer_dir() -> PathBuf {
     let dir = std::env::var("KVGATE_TOKENIZER_DIR")
         .map(PathBuf::from)
@@ -62,14 +65,24 @@ pub async fn start_replica(adjust: impl FnOnce(&mut ReplicaConfig)) -> Replica {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut cfg = ReplicaConfig::new(tokenizer_dir());
     cfg.replica_id = "test-replica".into();
+    cfg.fleet_token = Some(FLEET_TOKEN.into());
     adjust(&mut cfg);
     let server = replica::build_server(cfg, listener).await.unwrap();
     let base = format!("http://{}", server.local_addr());
     let (kill, killed) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async {
+    tokio::spawn(server.run_until_killed(async {
         let _ = killed.await;
     }));
-    let client = reqwest::Client::new();
+    // The test's client is the fleet: it may use the internal endpoints.
+    let mut auth = reqwest::header::HeaderMap::new();
+    auth.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {FLEET_TOKEN}").parse().unwrap(),
+    );
+    let client = reqwest::Client::builder()
+        .default_headers(auth)
+        .build()
+        .unwrap();
     wait_ready(&client, &base, "replica").await;
     Replica {
         base,
@@ -130,6 +143,14 @@ impl Replica {
     }
 }
 
+/// Makes the gateway report cache hits exactly (the default rounds them), for tests that
+/// compare its prediction with the replica's count.
+pub fn exact_hit_signals(c: &mut config::GatewayConfig) {
+    let mut f = config::PolicyFile::single(c.policy.clone());
+    f.hit_signals = config::HitSignals::Exact;
+    c.embedded_policy = Some(f);
+}
+
 pub struct Gateway {
     pub base: String,
     pub admin: String,
@@ -147,6 +168,7 @@ pub async fn start_gateway(
     cfg.model.tokenizer_dir = Some(tokenizer_dir().display().to_string());
     cfg.health.interval_ms = 100;
     cfg.upstream.load_poll_ms = 50;
+    cfg.auth.fleet_token = Some(FLEET_TOKEN.into());
     adjust(&mut cfg);
     cfg.validate().unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

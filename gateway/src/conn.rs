@@ -1,0 +1,464 @@
+//! What a client connection may cost before the gateway's own code sees a request: the
+//! accept loop and a guard around each socket.
+//!
+//! pingora reads the request header itself, with only a per-read timeout (60 s by default), so
+//! a client sending one byte per second holds a connection — and a file descriptor — forever,
+//! and its header-size errors are bare 400s without a body. [`GuardedStream`] wraps the socket
+//! pingora reads from and watches the bytes of each request header as they pass:
+//! - a request's header must be complete within `header_timeout` of its first byte (a new
+//!   connection must start one within the same time; a kept-alive one may idle for
+//!   `keepalive_timeout`), else the client gets a 408 with an OpenAI error body and the
+//!   connection is closed;
+//! - a header over `max_header_bytes` or `max_headers` lines gets a 431 with a body, before
+//!   pingora would answer a bare 400.
+//!
+//! The accept loop holds one permit per open connection: past `max_connections` a new
+//! connection gets a 503 at once and is closed, so descriptors run out for nobody. When
+//! `accept()` itself fails (the process is out of descriptors, say), the loop backs off
+//! exponentially (5 ms to 1 s) and logs once per 10 s with the count, instead of spinning and
+//! writing a line per failure.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use metrics::{Counter, Gauge};
+use pingora::protocols::l4::stream::Stream as L4Stream;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
+    TimingDigest, UniqueID, UniqueIDType,
+};
+use protocol::ApiError;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
+
+/// Deadlines and sizes for request headers.
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderLimits {
+    pub header_timeout: Duration,
+    pub keepalive_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub max_headers: usize,
+}
+
+/// Counters the guard and the accept loop keep.
+pub struct ConnMetrics {
+    pub header_timeout: Counter,
+    pub header_too_large: Counter,
+    pub refused: Counter,
+    pub open: Gauge,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// No byte of the next request yet.
+    Waiting { first: bool },
+    /// Inside a request header.
+    Header,
+    /// Past the header: the body and the response, which the proxy bounds itself.
+    Passed,
+}
+
+/// Size and line count of a request header seen in pieces.
+#[derive(Debug, Default)]
+struct HeaderScan {
+    bytes: usize,
+    lines: usize,
+    /// The last three bytes seen, to find `\r\n\r\n` across reads.
+    tail: [u8; 3],
+}
+
+impl HeaderScan {
+    /// Takes the next bytes; true when the header ended in them.
+    fn feed(&mut self, new: &[u8]) -> bool {
+        // The previous read's last three bytes lead the window, so a terminator or a line
+        // break split across reads is still seen — and counted once, by its last byte.
+        let mut window = self.tail.to_vec();
+        window.extend_from_slice(new);
+        let end = window.windows(4).position(|w| w == b"\r\n\r\n");
+        let stop = end.map_or(window.len(), |i| i + 4);
+        self.lines += (4..=stop).filter(|&j| &window[j - 2..j] == b"\r\n").count();
+        self.bytes += stop - 3;
+        let n = window.len();
+        self.tail.copy_from_slice(&window[n - 3..]);
+        end.is_some()
+    }
+}
+
+/// A client socket whose request headers are held to [`HeaderLimits`].
+pub struct GuardedStream {
+    inner: L4Stream,
+    limits: HeaderLimits,
+    metrics: Arc<ConnMetrics>,
+    phase: Phase,
+    deadline: Pin<Box<Sleep>>,
+    scan: HeaderScan,
+    /// A canned response being written before the connection is failed.
+    closing: Option<(&'static str, std::io::ErrorKind)>,
+}
+
+impl std::fmt::Debug for GuardedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuardedStream")
+            .field("phase", &self.phase)
+            .finish_non_exhaustive()
+    }
+}
+
+fn canned(status: u16, reason: &str, e: &ApiError, extra: &str) -> Vec<u8> {
+    let body = e.to_json();
+    format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n{extra}\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+impl GuardedStream {
+    pub fn new(tcp: TcpStream, limits: HeaderLimits, metrics: Arc<ConnMetrics>) -> Self {
+        GuardedStream {
+            inner: tcp.into(),
+            limits,
+            metrics,
+            phase: Phase::Waiting { first: true },
+            deadline: Box::pin(tokio::time::sleep(limits.header_timeout)),
+            scan: HeaderScan::default(),
+            closing: None,
+        }
+    }
+
+    /// Arms the guard for the next request on a kept-alive connection.
+    pub fn next_request(&mut self) {
+        self.phase = Phase::Waiting { first: false };
+        self.scan = HeaderScan::default();
+        let at = tokio::time::Instant::now() + self.limits.keepalive_timeout;
+        self.deadline.as_mut().reset(at);
+    }
+
+    /// Looks at bytes of the header as they pass; returns why the request must be refused.
+    fn inspect(&mut self, new: &[u8]) -> Option<&'static str> {
+        if new.is_empty() {
+            return None;
+        }
+        if let Phase::Waiting { .. } = self.phase {
+            self.phase = Phase::Header;
+            let at = tokio::time::Instant::now() + self.limits.header_timeout;
+            self.deadline.as_mut().reset(at);
+        }
+        if self.phase != Phase::Header {
+            return None;
+        }
+        let ended = self.scan.feed(new);
+        if self.scan.bytes > self.limits.max_header_bytes
+            || self.scan.lines > self.limits.max_headers + 2
+        {
+            return Some("header_too_large");
+        }
+        if ended {
+            self.phase = Phase::Passed;
+        }
+        None
+    }
+
+    /// Starts failing the connection with a canned response.
+    fn refuse(&mut self, why: &'static str) -> Vec<u8> {
+        let (status, reason, e, kind) = if why == "header_timeout" {
+            self.metrics.header_timeout.increment(1);
+            (
+                408,
+                "Request Timeout",
+                ApiError::new(
+                    408,
+                    "invalid_request_error",
+                    format!(
+                        "the request header did not arrive within {} ms",
+                        self.limits.header_timeout.as_millis()
+                    ),
+                )
+                .with_code("header_timeout"),
+                std::io::ErrorKind::TimedOut,
+            )
+        } else {
+            self.metrics.header_too_large.increment(1);
+            (
+                431,
+                "Request Header Fields Too Large",
+                ApiError::new(
+                    431,
+                    "invalid_request_error",
+                    format!(
+                        "the request header is larger than {} bytes or has more than {} lines",
+                        self.limits.max_header_bytes, self.limits.max_headers
+                    ),
+                )
+                .with_code("header_too_large"),
+                std::io::ErrorKind::InvalidData,
+            )
+        };
+        self.closing = Some((why, kind));
+        canned(status, reason, &e, "")
+    }
+
+    fn fail(&mut self, cx: &mut Context<'_>, why: &'static str) -> Poll<std::io::Result<()>> {
+        let response = self.refuse(why);
+        // Best effort: a small response fits the socket buffer; a client that does not read
+        // does not get to hold the connection for it.
+        let _ = Pin::new(&mut self.inner).poll_write(cx, &response);
+        let kind = self.closing.map_or(std::io::ErrorKind::Other, |c| c.1);
+        Poll::Ready(Err(std::io::Error::new(kind, why)))
+    }
+}
+
+impl AsyncRead for GuardedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let Some((why, kind)) = this.closing {
+            return Poll::Ready(Err(std::io::Error::new(kind, why)));
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let new = buf.filled()[before..].to_vec();
+                if let Some(why) = this.inspect(&new) {
+                    buf.set_filled(before);
+                    return this.fail(cx, why);
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => {
+                if this.phase == Phase::Passed || this.deadline.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                match this.phase {
+                    // An idle kept-alive connection: close it quietly (end of stream).
+                    Phase::Waiting { first: false } => Poll::Ready(Ok(())),
+                    _ => this.fail(cx, "header_timeout"),
+                }
+            }
+        }
+    }
+}
+
+impl AsyncWrite for GuardedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[async_trait]
+impl Shutdown for GuardedStream {
+    async fn shutdown(&mut self) {
+        Shutdown::shutdown(&mut self.inner).await
+    }
+}
+
+impl UniqueID for GuardedStream {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for GuardedStream {}
+
+impl GetTimingDigest for GuardedStream {
+    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+}
+
+impl GetProxyDigest for GuardedStream {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+}
+
+impl GetSocketDigest for GuardedStream {
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+}
+
+#[async_trait]
+impl Peek for GuardedStream {}
+
+/// Logs a repeated condition at most once per period, with how often it happened.
+pub struct RateLimitedLog {
+    period: Duration,
+    state: parking_lot::Mutex<(Option<Instant>, u64)>,
+}
+
+impl RateLimitedLog {
+    pub fn new(period: Duration) -> Self {
+        RateLimitedLog {
+            period,
+            state: parking_lot::Mutex::new((None, 0)),
+        }
+    }
+
+    /// Counts one occurrence; returns how many to report when a line is due now.
+    pub fn hit(&self) -> Option<u64> {
+        let mut s = self.state.lock();
+        s.1 += 1;
+        let due = s.0.is_none_or(|t| t.elapsed() >= self.period);
+        if due {
+            let n = s.1;
+            *s = (Some(Instant::now()), 0);
+            Some(n)
+        } else {
+            None
+        }
+    }
+}
+
+/// The open-connection budget, sized to fit the open-file limit.
+pub fn connection_budget(configured: usize) -> usize {
+    // Raise the soft limit to the hard one, as nginx's worker_rlimit_nofile would.
+    let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(1024) as usize;
+    // Each client request also holds an upstream connection; keep room for replicas' event
+    // streams, health checks, the admin port and files.
+    let fits = limit.saturating_sub(256) / 2;
+    let budget = configured.min(fits.max(16));
+    if budget < configured {
+        tracing::warn!(
+            configured,
+            budget,
+            open_file_limit = limit,
+            "downstream.max_connections lowered to fit the open-file limit"
+        );
+    }
+    budget
+}
+
+/// Accepts connections until `stop` resolves, each with a permit of `slots`; runs `serve`
+/// for each. Past the limit a connection gets a 503 and is closed at once.
+pub async fn accept_loop<F, Fut>(
+    listener: &TcpListener,
+    name: &'static str,
+    slots: Option<Arc<Semaphore>>,
+    metrics: Option<Arc<ConnMetrics>>,
+    errors: Counter,
+    stop: impl std::future::Future<Output = ()>,
+    serve: F,
+) where
+    F: Fn(TcpStream, Option<OwnedSemaphorePermit>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::pin!(stop);
+    let log = RateLimitedLog::new(Duration::from_secs(10));
+    let mut backoff = Duration::ZERO;
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut stop => return,
+            r = listener.accept() => r,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => {
+                backoff = Duration::ZERO;
+                tcp
+            }
+            Err(e) => {
+                errors.increment(1);
+                if let Some(n) = log.hit() {
+                    tracing::warn!(listener = name, error = %e, failures = n, "accept failed; backing off");
+                }
+                backoff = (backoff * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                continue;
+            }
+        };
+        let _ = tcp.set_nodelay(true);
+        let permit = match &slots {
+            None => None,
+            Some(s) => match s.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    if let Some(m) = &metrics {
+                        m.refused.increment(1);
+                    }
+                    let e = ApiError::unavailable(
+                        "the gateway is at its connection limit; retry shortly",
+                    )
+                    .with_code("connection_limit");
+                    let resp = canned(503, "Service Unavailable", &e, "retry-after: 1\r\n");
+                    let _ = tcp.try_write(&resp);
+                    continue;
+                }
+            },
+        };
+        tokio::spawn(serve(tcp, permit));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_scan_finds_the_end_across_reads() {
+        let header =
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}";
+        for cut in 1..header.len() {
+            let mut s = HeaderScan::default();
+            let first = s.feed(&header[..cut]);
+            let ended = first || s.feed(&header[cut..]);
+            assert!(ended, "cut at {cut}");
+            assert_eq!(s.lines, 4, "cut at {cut}");
+            assert_eq!(s.bytes, header.len() - 2, "cut at {cut}");
+        }
+        let mut s = HeaderScan::default();
+        for b in b"GET / HTTP/1.1\r\nx: y\r\n" {
+            assert!(!s.feed(&[*b]));
+        }
+        assert_eq!(s.lines, 2);
+        assert!(s.feed(b"\r\n"));
+    }
+
+    #[test]
+    fn rate_limited_log_reports_counts() {
+        let l = RateLimitedLog::new(Duration::from_secs(3600));
+        assert_eq!(l.hit(), Some(1));
+        assert_eq!(l.hit(), None);
+        assert_eq!(l.hit(), None);
+    }
+
+    #[test]
+    fn canned_response_is_valid_http() {
+        let r = canned(
+            408,
+            "Request Timeout",
+            &ApiError::invalid_request("x"),
+            "retry-after: 1\r\n",
+        );
+        let text = String::from_utf8(r).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 408 Request Timeout\r\n"));
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        assert!(head.ends_with("retry-after: 1"));
+        assert!(serde_json::from_str::<serde_json::Value>(body).unwrap()["error"].is_object());
+    }
+}

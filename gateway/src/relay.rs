@@ -1,0 +1,239 @@
+//! Reading a replica's answer on its way to the client. [`SseTap`] cuts the byte stream into
+//! server-sent events (holding back only an incomplete event), notices `[DONE]`, error events
+//! and the usage event, and rewrites what the usage says about cache hits per the policy's
+//! [`HitPolicy`]. A stream that ends without `[DONE]` was cut: the relay then sends an
+//! OpenAI-style error event, which the OpenAI SDKs raise as an exception, instead of letting
+//! a truncated answer pass as a complete one.
+
+use bytes::Bytes;
+use config::HitSignals;
+use protocol::ApiError;
+use serde_json::Value;
+
+/// What clients are told about cache hits.
+#[derive(Debug, Clone, Copy)]
+pub struct HitPolicy {
+    pub mode: HitSignals,
+    pub round_tokens: u64,
+    pub block_size: usize,
+}
+
+impl HitPolicy {
+    /// The cached-token count a client sees.
+    pub fn shown_tokens(&self, cached: u64) -> u64 {
+        match self.mode {
+            HitSignals::Exact => cached,
+            HitSignals::Rounded => cached / self.round_tokens.max(1) * self.round_tokens.max(1),
+            HitSignals::Off => 0,
+        }
+    }
+
+    /// The `x-kvgate-matched-blocks` value, or `None` when hit signals are off.
+    pub fn matched_blocks_header(&self, blocks: usize) -> Option<String> {
+        match self.mode {
+            HitSignals::Off => None,
+            _ => {
+                let bs = self.block_size.max(1) as u64;
+                Some((self.shown_tokens(blocks as u64 * bs) / bs).to_string())
+            }
+        }
+    }
+
+    /// Rewrites `usage.prompt_tokens_details.cached_tokens` in a response object; returns the
+    /// true value when there was one.
+    pub fn rewrite_usage(&self, v: &mut Value) -> Option<u64> {
+        let details = v.get_mut("usage")?.get_mut("prompt_tokens_details")?;
+        let cached = details.get("cached_tokens")?.as_u64()?;
+        details["cached_tokens"] = Value::from(self.shown_tokens(cached));
+        Some(cached)
+    }
+}
+
+/// `data: {"error": …}` — how an OpenAI stream reports a failure.
+pub fn error_event(e: &ApiError) -> Bytes {
+    Bytes::from(format!("data: {}\n\n", e.to_json()))
+}
+
+/// Follows an SSE stream event by event.
+#[derive(Debug, Default)]
+pub struct SseTap {
+    pending: Vec<u8>,
+    /// `data: [DONE]` was seen: the stream is complete.
+    pub done: bool,
+    /// The upstream itself reported an error event.
+    pub saw_error: bool,
+    /// Events carrying a choice (token deltas, the role chunk).
+    pub choice_events: u64,
+    /// From the usage event, when the client asked for one.
+    pub cached_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+}
+
+/// End of the first event in `buf`: the index just past its blank line.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while i + 1 < buf.len() {
+        if buf[i] == b'\n' {
+            if buf[i + 1] == b'\n' {
+                return Some(i + 2);
+            }
+            if buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
+                return Some(i + 3);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+impl SseTap {
+    /// Takes upstream bytes; returns the complete events among them (rewritten where needed),
+    /// or `None` while only part of an event has arrived.
+    pub fn feed(&mut self, data: &[u8], hits: &HitPolicy) -> Option<Bytes> {
+        // The common case, one or more whole events in one chunk, is forwarded as it came
+        // unless an event needs rewriting.
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.extend_from_slice(data);
+        let mut out: Vec<u8> = Vec::new();
+        let mut at = 0;
+        while let Some(len) = event_end(&pending[at..]) {
+            let event = &pending[at..at + len];
+            match self.inspect(event, hits) {
+                Some(rewritten) => out.extend_from_slice(&rewritten),
+                None => out.extend_from_slice(event),
+            }
+            at += len;
+        }
+        pending.drain(..at);
+        self.pending = pending;
+        (!out.is_empty()).then(|| Bytes::from(out))
+    }
+
+    /// Bytes of an event that never ended.
+    pub fn has_partial(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Looks at one event; returns its replacement when it must change.
+    fn inspect(&mut self, event: &[u8], hits: &HitPolicy) -> Option<Vec<u8>> {
+        let text = std::str::from_utf8(event).ok()?;
+        let payload: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let payload = payload.trim();
+        if payload == "[DONE]" {
+            self.done = true;
+            return None;
+        }
+        let bytes = payload.as_bytes();
+        if contains(bytes, b"\"choices\":[{") {
+            self.choice_events += 1;
+        }
+        let interesting = contains(bytes, b"\"usage\"") || contains(bytes, b"\"error\"");
+        if !interesting {
+            return None;
+        }
+        let mut v: Value = serde_json::from_str(payload).ok()?;
+        if v.get("error").is_some_and(|e| !e.is_null()) {
+            self.saw_error = true;
+            return None;
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            self.completion_tokens = Some(n);
+        }
+        let cached = hits.rewrite_usage(&mut v)?;
+        self.cached_tokens = Some(cached);
+        if hits.shown_tokens(cached) == cached {
+            return None;
+        }
+        Some(format!("data: {v}\n\n").into_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hits(mode: HitSignals) -> HitPolicy {
+        HitPolicy {
+            mode,
+            round_tokens: 256,
+            block_size: 16,
+        }
+    }
+
+    const USAGE: &str = r#"data: {"id":"x","choices":[],"usage":{"prompt_tokens":900,"completion_tokens":3,"total_tokens":903,"prompt_tokens_details":{"cached_tokens":592}}}"#;
+
+    #[test]
+    fn events_split_across_chunks_are_held_until_whole() {
+        let mut tap = SseTap::default();
+        let h = hits(HitSignals::Exact);
+        let stream =
+            format!("data: {{\"choices\":[{{\"index\":0}}]}}\n\n{USAGE}\n\ndata: [DONE]\n\n");
+        let mut out = Vec::new();
+        for chunk in stream.as_bytes().chunks(7) {
+            if let Some(b) = tap.feed(chunk, &h) {
+                out.extend_from_slice(&b);
+            }
+        }
+        assert_eq!(out, stream.as_bytes());
+        assert!(tap.done && !tap.has_partial());
+        assert_eq!(tap.choice_events, 1);
+        assert_eq!(tap.cached_tokens, Some(592));
+        assert_eq!(tap.completion_tokens, Some(3));
+    }
+
+    #[test]
+    fn cached_tokens_are_rounded_or_hidden() {
+        for (mode, shown) in [
+            (HitSignals::Exact, 592),
+            (HitSignals::Rounded, 512),
+            (HitSignals::Off, 0),
+        ] {
+            let mut tap = SseTap::default();
+            let out = tap
+                .feed(format!("{USAGE}\n\n").as_bytes(), &hits(mode))
+                .unwrap();
+            let v: Value =
+                serde_json::from_str(std::str::from_utf8(&out).unwrap()[6..].trim()).unwrap();
+            assert_eq!(
+                v["usage"]["prompt_tokens_details"]["cached_tokens"], shown,
+                "{mode:?}"
+            );
+            assert_eq!(tap.cached_tokens, Some(592));
+        }
+        assert_eq!(
+            hits(HitSignals::Rounded).matched_blocks_header(37),
+            Some("32".into())
+        );
+        assert_eq!(
+            hits(HitSignals::Exact).matched_blocks_header(37),
+            Some("37".into())
+        );
+        assert_eq!(hits(HitSignals::Off).matched_blocks_header(37), None);
+    }
+
+    #[test]
+    fn a_stream_without_done_is_not_complete_and_errors_are_seen() {
+        let mut tap = SseTap::default();
+        let h = hits(HitSignals::Exact);
+        tap.feed(b"data: {\"choices\":[{\"index\":0}]}\n\ndata: {\"cho", &h);
+        assert!(!tap.done && tap.has_partial());
+        let mut tap = SseTap::default();
+        tap.feed(
+            b"data: {\"error\":{\"message\":\"engine stopped\",\"type\":\"x\"}}\n\n",
+            &h,
+        );
+        assert!(tap.saw_error && !tap.done);
+        let e = error_event(&ApiError::new(502, "upstream_error", "cut"));
+        assert!(e.starts_with(b"data: {\"error\""));
+        assert!(e.ends_with(b"\n\n"));
+    }
+}
