@@ -101,7 +101,10 @@ impl AccessLog {
             AccessLogMode::Sampled => {
                 r.status != 200
                     || r.error.is_some()
-                    || self.seen.fetch_add(1, Ordering::Relaxed).is_multiple_of(self.every)
+                    || self
+                        .seen
+                        .fetch_add(1, Ordering::Relaxed)
+                        .is_multiple_of(self.every)
             }
         }
     }

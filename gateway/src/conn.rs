@@ -64,6 +64,11 @@ enum Phase {
     Passed,
 }
 
+#[derive(Debug, Default)]
+struct ConnShared {
+    done: std::sync::atomic::AtomicBool,
+}
+
 /// Size and line count of a request header seen in pieces.
 #[derive(Debug, Default)]
 struct HeaderScan {
@@ -98,6 +103,8 @@ pub struct GuardedStream {
     phase: Phase,
     deadline: Pin<Box<Sleep>>,
     scan: HeaderScan,
+    /// Set by the proxy when a response is complete: the next bytes start a new request.
+    shared: Arc<ConnShared>,
     /// A canned response being written before the connection is failed.
     closing: Option<(&'static str, std::io::ErrorKind)>,
 }
@@ -128,12 +135,27 @@ impl GuardedStream {
             phase: Phase::Waiting { first: true },
             deadline: Box::pin(tokio::time::sleep(limits.header_timeout)),
             scan: HeaderScan::default(),
+            shared: Arc::new(ConnShared::default()),
             closing: None,
         }
     }
 
+    /// Tells the guard of `session`'s connection that its request was answered, so the next
+    /// bytes are held to the limits of a new header. pingora keeps a connection alive inside
+    /// its own loop, so the guard cannot see the boundary itself.
+    pub fn request_done(session: &pingora::proxy::Session) {
+        if let Some(g) = session
+            .stream()
+            .and_then(|s| s.as_any().downcast_ref::<GuardedStream>())
+        {
+            g.shared
+                .done
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
     /// Arms the guard for the next request on a kept-alive connection.
-    pub fn next_request(&mut self) {
+    fn next_request(&mut self) {
         self.phase = Phase::Waiting { first: false };
         self.scan = HeaderScan::default();
         let at = tokio::time::Instant::now() + self.limits.keepalive_timeout;
@@ -223,6 +245,13 @@ impl AsyncRead for GuardedStream {
         let this = self.get_mut();
         if let Some((why, kind)) = this.closing {
             return Poll::Ready(Err(std::io::Error::new(kind, why)));
+        }
+        if this
+            .shared
+            .done
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            this.next_request();
         }
         let before = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {

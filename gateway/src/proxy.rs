@@ -22,6 +22,7 @@ use crate::access_log::{AccessLog, AccessRecord};
 use crate::admission::LatencyModel;
 use crate::auth::ApiKeyStore;
 use crate::body::read_whole_body;
+use crate::conn::GuardedStream;
 use crate::dispatch::Refusal;
 use crate::lifecycle::Lifecycle;
 use crate::policy_store::PolicyStore;
@@ -416,6 +417,7 @@ impl ProxyHttp for GatewayProxy {
                 ("other", respond_error(session, &e).await)
             }
         };
+        GuardedStream::request_done(session);
         state.router.metrics.request(endpoint, status);
         if endpoint != "health" && state.access_log.enabled() {
             rec.status = status;

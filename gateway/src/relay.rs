@@ -62,7 +62,8 @@ pub struct SseTap {
     pub done: bool,
     /// The upstream itself reported an error event.
     pub saw_error: bool,
-    /// Events carrying a choice (token deltas, the role chunk).
+    /// Events carrying generated text (a chat delta's `content`, a completion's `text`): the
+    /// output token count when the stream has no usage event.
     pub choice_events: u64,
     /// From the usage event, when the client asked for one.
     pub cached_tokens: Option<u64>,
@@ -84,6 +85,18 @@ fn event_end(buf: &[u8]) -> Option<usize> {
         i += 1;
     }
     None
+}
+
+/// Whether an event's payload holds non-empty generated text.
+fn carries_text(payload: &[u8]) -> bool {
+    [&b"\"content\":\""[..], &b"\"text\":\""[..]]
+        .iter()
+        .any(|key| {
+            payload
+                .windows(key.len())
+                .position(|w| w == *key)
+                .is_some_and(|i| payload.get(i + key.len()).is_some_and(|&c| c != b'"'))
+        })
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -133,7 +146,7 @@ impl SseTap {
             return None;
         }
         let bytes = payload.as_bytes();
-        if contains(bytes, b"\"choices\":[{") {
+        if carries_text(bytes) {
             self.choice_events += 1;
         }
         let interesting = contains(bytes, b"\"usage\"") || contains(bytes, b"\"error\"");
@@ -175,8 +188,9 @@ mod tests {
     fn events_split_across_chunks_are_held_until_whole() {
         let mut tap = SseTap::default();
         let h = hits(HitSignals::Exact);
-        let stream =
-            format!("data: {{\"choices\":[{{\"index\":0}}]}}\n\n{USAGE}\n\ndata: [DONE]\n\n");
+        let role = r#"data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        let token = r#"data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
+        let stream = format!("{role}\n\n{token}\n\n{USAGE}\n\ndata: [DONE]\n\n");
         let mut out = Vec::new();
         for chunk in stream.as_bytes().chunks(7) {
             if let Some(b) = tap.feed(chunk, &h) {
@@ -224,7 +238,10 @@ mod tests {
     fn a_stream_without_done_is_not_complete_and_errors_are_seen() {
         let mut tap = SseTap::default();
         let h = hits(HitSignals::Exact);
-        tap.feed(b"data: {\"choices\":[{\"index\":0}]}\n\ndata: {\"cho", &h);
+        tap.feed(
+            b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: {\"cho",
+            &h,
+        );
         assert!(!tap.done && tap.has_partial());
         let mut tap = SseTap::default();
         tap.feed(

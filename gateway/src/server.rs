@@ -352,18 +352,10 @@ impl GatewayServer {
                 async move {
                     let _permit = permit;
                     m.open.increment(1.0);
-                    let mut stream: pingora::protocols::Stream =
+                    let stream: pingora::protocols::Stream =
                         Box::new(GuardedStream::new(tcp, limits, m.clone()));
-                    // A kept-alive connection comes back for its next request.
-                    while let Some(next) = app.process_new(stream, &rx).await {
-                        match next.into_any().downcast::<GuardedStream>() {
-                            Ok(mut g) => {
-                                g.next_request();
-                                stream = g;
-                            }
-                            Err(_) => break,
-                        }
-                    }
+                    // pingora serves every request of a kept-alive connection in here.
+                    let _ = app.process_new(stream, &rx).await;
                     m.open.decrement(1.0);
                 }
             },

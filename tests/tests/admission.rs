@@ -3,41 +3,11 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{start_gateway, start_replica, Gateway};
+use common::{start_gateway, start_replica, Gateway, PolicyFileOnDisk};
 use futures::StreamExt;
 use serde_json::{json, Value};
-
-/// A policy file in its own temporary folder, removed at the end.
-struct PolicyFileOnDisk {
-    dir: PathBuf,
-    path: PathBuf,
-}
-
-impl PolicyFileOnDisk {
-    fn new(tag: &str, text: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("kvgate-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("policy.toml");
-        std::fs::write(&path, text).unwrap();
-        PolicyFileOnDisk { dir, path }
-    }
-
-    /// Replaces the file the way editors do: write a sibling, rename over.
-    fn replace(&self, text: &str) {
-        let tmp = self.dir.join("policy.toml.new");
-        std::fs::write(&tmp, text).unwrap();
-        std::fs::rename(&tmp, &self.path).unwrap();
-    }
-}
-
-impl Drop for PolicyFileOnDisk {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// What one streamed request saw.
 #[derive(Debug)]

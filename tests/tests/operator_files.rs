@@ -58,3 +58,93 @@ async fn alert_rules_and_dashboard_use_exported_metric_names() {
         "alert rules name metrics nobody exports: {missing:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_records_route_replica_tokens_and_timers() {
+    let rep = start_replica(|_| {}).await;
+    let path = std::env::temp_dir().join(format!("kvgate-access-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let p = path.display().to_string();
+    let gw = start_gateway(&[&rep], |c| {
+        c.access_log.mode = config::gateway::AccessLogMode::Full;
+        c.access_log.path = p;
+    })
+    .await;
+    let ok = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 3, "stream": true}),
+        )
+        .await;
+    assert_eq!(ok.status(), 200);
+    let _ = ok.text().await;
+    let bad = gw
+        .post("/v1/completions", json!({"model": "nope", "prompt": "x"}))
+        .await;
+    assert_eq!(bad.status(), 404);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    let a = &lines[0];
+    assert_eq!(a["status"], 200);
+    assert_eq!(a["route"], "default");
+    assert_eq!(a["replica"], rep.host_port());
+    assert!(a["reason"].is_string() && a["prompt_tokens"].as_u64().unwrap() > 0);
+    assert!(a["ttft_ms"].as_f64().is_some() && a["e2e_ms"].as_f64().is_some());
+    assert_eq!(a["output_tokens"], 3);
+    assert_eq!(lines[1]["status"], 404);
+    assert!(!text.contains("hi\""), "prompts are never logged");
+    let _ = std::fs::remove_file(&path);
+}
+
+fn kvgate_binary() -> std::path::PathBuf {
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    target.join("debug/kvgate")
+}
+
+#[test]
+fn gateway_check_validates_every_file_and_exits() {
+    let bin = kvgate_binary();
+    assert!(
+        bin.exists(),
+        "build the binary first (scripts/test.sh does)"
+    );
+    let dir = std::env::temp_dir().join(format!("kvgate-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("gateway.toml"),
+        "replicas = [\"http://127.0.0.1:8001\", \"127.0.0.1:8002\"]\npolicy_file = \"policy.toml\"\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("policy.toml"), config::routes::DEFAULT_POLICY).unwrap();
+    let run = || {
+        std::process::Command::new(&bin)
+            .args(["gateway", "--check", "--config"])
+            .arg(dir.join("gateway.toml"))
+            .env_remove("KVGATE_ADMIN_TOKEN")
+            .env_remove("KVGATE_FLEET_TOKEN")
+            .env_remove("KVGATE_API_KEYS")
+            .output()
+            .unwrap()
+    };
+    let good = run();
+    let out = String::from_utf8_lossy(&good.stdout);
+    assert!(
+        good.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&good.stderr)
+    );
+    assert!(out.contains("routes: long, batch, interactive"), "{out}");
+    std::fs::write(dir.join("policy.toml"), "").unwrap();
+    let bad = run();
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("must list its [[routes]]"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -155,6 +155,9 @@ pub struct Gateway {
     pub base: String,
     pub admin: String,
     pub client: reqwest::Client,
+    pub state: std::sync::Arc<gateway::proxy::GatewayState>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Starts a gateway in front of `replicas` (health checks every 100 ms, load polled every
@@ -176,17 +179,37 @@ pub async fn start_gateway(
     let server = gateway::build_gateway(cfg, listener, admin).await.unwrap();
     let base = format!("http://{}", server.local_addr());
     let admin = format!("http://{}", server.admin_addr());
-    tokio::spawn(server.run(std::future::pending()));
+    let state = server.state();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
     let client = reqwest::Client::new();
     wait_ready(&client, &base, "gateway").await;
     Gateway {
         base,
         admin,
         client,
+        state,
+        stop: Some(stop),
+        task: Some(task),
     }
 }
 
 impl Gateway {
+    /// `host:port` of the API listener.
+    pub fn addr(&self) -> String {
+        self.base.trim_start_matches("http://").to_string()
+    }
+
+    /// Starts the drain (what SIGTERM does); the handle resolves when `run` returns.
+    pub fn shutdown(&mut self) -> tokio::task::JoinHandle<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task.take().expect("shut down once")
+    }
+
     pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
         post_json(&self.client, format!("{}{path}", self.base), body).await
     }
@@ -197,5 +220,208 @@ impl Gateway {
 
     pub async fn metric(&self, name: &str) -> f64 {
         metric_sum(&self.client, format!("{}/metrics", self.admin), name, "").await
+    }
+}
+
+/// What a [`FakeReplica`] does with generation requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeMode {
+    /// Streams `tokens` events 20 ms apart, then usage and `[DONE]`.
+    Stream { tokens: usize },
+    /// Sends `tokens` events, then drops the connection (a crash mid-stream).
+    CutAfter { tokens: usize },
+    /// Sends `tokens` events, then nothing, ever (a stalled process); `/health` hangs too.
+    StallAfter { tokens: usize },
+}
+
+/// A stand-in replica that records every generation body it receives and answers as its
+/// mode says: for checking what the gateway forwards and how it handles failures that a
+/// real replica cannot be made to show on cue.
+pub struct FakeReplica {
+    pub addr: String,
+    pub bodies: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+    pub mode: std::sync::Arc<std::sync::Mutex<FakeMode>>,
+}
+
+impl FakeReplica {
+    pub async fn start(mode: FakeMode) -> FakeReplica {
+        use http_body_util::BodyExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mode = std::sync::Arc::new(std::sync::Mutex::new(mode));
+        let (b, m) = (bodies.clone(), mode.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (b, m) = (b.clone(), m.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (b, m) = (b.clone(), m.clone());
+                            async move {
+                                let mode = *m.lock().unwrap();
+                                let path = req.uri().path().to_string();
+                                let stalled = matches!(mode, FakeMode::StallAfter { .. });
+                                let body = req
+                                    .into_body()
+                                    .collect()
+                                    .await
+                                    .map(|c| c.to_bytes())
+                                    .unwrap_or_default();
+                                let full = |s: String| {
+                                    http_body_util::Either::Left(http_body_util::Full::new(
+                                        bytes::Bytes::from(s),
+                                    ))
+                                };
+                                let resp = match path.as_str() {
+                                "/health" if stalled => {
+                                    std::future::pending::<()>().await;
+                                    unreachable!()
+                                }
+                                "/health" => hyper::Response::new(full("{}".into())),
+                                "/v1/models" => hyper::Response::new(full(
+                                    r#"{"object":"list","data":[{"id":"Qwen3-8B","object":"model","max_model_len":40960}]}"#.into(),
+                                )),
+                                "/v1/chat/completions" | "/v1/completions" => {
+                                    b.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                                    let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>(8);
+                                    tokio::spawn(async move {
+                                        let (n, end) = match mode {
+                                            FakeMode::Stream { tokens } => (tokens, 0),
+                                            FakeMode::CutAfter { tokens } => (tokens, 1),
+                                            FakeMode::StallAfter { tokens } => (tokens, 2),
+                                        };
+                                        for i in 0..n {
+                                            let ev = format!("data: {{\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}}}}]}}\n\n");
+                                            if tx.send(Ok(hyper::body::Frame::data(ev.into()))).await.is_err() {
+                                                return;
+                                            }
+                                            tokio::time::sleep(Duration::from_millis(20)).await;
+                                        }
+                                        match end {
+                                            0 => {
+                                                let usage = format!("data: {{\"id\":\"x\",\"choices\":[],\"usage\":{{\"prompt_tokens\":10,\"completion_tokens\":{n},\"total_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":0}}}}}}\n\ndata: [DONE]\n\n", n + 10);
+                                                let _ = tx.send(Ok(hyper::body::Frame::data(usage.into()))).await;
+                                            }
+                                            1 => {
+                                                let _ = tx.send(Err(std::io::Error::other("crash"))).await;
+                                            }
+                                            _ => {
+                                                tx.closed().await;
+                                            }
+                                        }
+                                    });
+                                    let stream = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+                                    hyper::Response::builder()
+                                        .header("content-type", "text/event-stream")
+                                        .body(http_body_util::Either::Right(stream))
+                                        .unwrap()
+                                }
+                                _ => hyper::Response::builder().status(404).body(full("{}".into())).unwrap(),
+                            };
+                                Ok::<_, std::convert::Infallible>(resp)
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc)
+                        .await;
+                });
+            }
+        });
+        FakeReplica { addr, bodies, mode }
+    }
+
+    pub fn set_mode(&self, m: FakeMode) {
+        *self.mode.lock().unwrap() = m;
+    }
+
+    pub fn bodies(&self) -> Vec<Value> {
+        self.bodies.lock().unwrap().clone()
+    }
+}
+
+/// A gateway in front of replicas given by address (fakes), health checks every 100 ms.
+pub async fn start_gateway_at(
+    addrs: &[String],
+    adjust: impl FnOnce(&mut config::GatewayConfig),
+) -> Gateway {
+    let mut cfg = config::GatewayConfig::with_replicas(addrs.to_vec());
+    cfg.model.tokenizer_dir = Some(tokenizer_dir().display().to_string());
+    cfg.health.interval_ms = 100;
+    cfg.upstream.load_poll_ms = 50;
+    cfg.index.kv_events = false;
+    adjust(&mut cfg);
+    cfg.validate().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = gateway::build_gateway(cfg, listener, admin).await.unwrap();
+    let base = format!("http://{}", server.local_addr());
+    let admin = format!("http://{}", server.admin_addr());
+    let state = server.state();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    wait_ready(&client, &base, "gateway").await;
+    Gateway {
+        base,
+        admin,
+        client,
+        state,
+        stop: Some(stop),
+        task: Some(task),
+    }
+}
+
+/// A streamed answer read to its end: the data payloads, and whether `[DONE]` came.
+pub async fn read_stream(r: reqwest::Response) -> (Vec<Value>, bool) {
+    let text = r.text().await.unwrap_or_default();
+    let mut events = Vec::new();
+    let mut done = false;
+    for block in text.split("\n\n") {
+        for line in block.lines() {
+            if let Some(d) = line.strip_prefix("data: ") {
+                if d.trim() == "[DONE]" {
+                    done = true;
+                } else if let Ok(v) = serde_json::from_str::<Value>(d) {
+                    events.push(v);
+                }
+            }
+        }
+    }
+    (events, done)
+}
+
+/// A policy file in its own temporary folder, removed on drop.
+pub struct PolicyFileOnDisk {
+    dir: PathBuf,
+    pub path: PathBuf,
+}
+
+impl PolicyFileOnDisk {
+    pub fn new(tag: &str, text: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("kvgate-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("policy.toml");
+        std::fs::write(&path, text).unwrap();
+        PolicyFileOnDisk { dir, path }
+    }
+
+    /// Replaces the file the way editors do: write a sibling, rename over.
+    pub fn replace(&self, text: &str) {
+        let tmp = self.dir.join("policy.toml.new");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &self.path).unwrap();
+    }
+}
+
+impl Drop for PolicyFileOnDisk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
