@@ -41,24 +41,20 @@ fn conversation(tok: &TextTokenizer) -> (Bytes, usize) {
 
 fn router(tok: Arc<TextTokenizer>) -> Router {
     let names: Vec<String> = (0..8).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect();
-    let cfg = GatewayConfig::with_replicas(names.clone());
+    let cfg = GatewayConfig::with_replicas(names);
     let index = Arc::new(PrefixIndex::new(100_000));
+    let metrics = Arc::new(GatewayMetrics::new());
     let registry = Arc::new(Registry::new(
         &cfg,
         index,
         http_client(Duration::from_millis(100)),
         None,
+        metrics.clone(),
     ));
     for i in 0..8 {
         registry.set_healthy(i, true);
     }
-    Router::new(
-        tok,
-        "Qwen3-8B".into(),
-        16,
-        registry,
-        Arc::new(GatewayMetrics::new(&names)),
-    )
+    Router::new(tok, "Qwen3-8B".into(), 16, registry, metrics)
 }
 
 fn bench(c: &mut Criterion) {

@@ -164,7 +164,8 @@ impl GatewayState {
     /// Uncached prompt tokens of `p` at replica `i`.
     fn uncached(&self, p: &Prepared, matched: &[usize], i: usize) -> u64 {
         p.prompt_tokens
-            .saturating_sub(matched[i] * self.router.block_size) as u64
+            .saturating_sub(matched.get(i).copied().unwrap_or(0) * self.router.block_size)
+            as u64
     }
 
     /// One attempt to place `p` now.
@@ -187,7 +188,8 @@ impl GatewayState {
             return Err(Wait::Hold("token_budget"));
         }
         let registry = &self.router.registry;
-        let mut exclude: Vec<usize> = (0..registry.replicas.len())
+        let replicas = registry.replicas();
+        let mut exclude: Vec<usize> = (0..replicas.len())
             .filter(|i| !route.pool.contains(i))
             .collect();
         let outside = exclude.clone();
@@ -201,12 +203,12 @@ impl GatewayState {
             };
             let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
             for &i in &route.pool {
-                if !registry.replicas[i].is_healthy() {
+                let Some(r) = replicas.get(i).filter(|r| r.is_healthy()) else {
                     continue;
-                }
+                };
                 let pressure = registry.pressure(i, holdoff, p.prompt_tokens as u64);
                 let verdict = admissible(
-                    &self.models[i].lock(),
+                    &r.model.lock(),
                     &pressure,
                     self.uncached(p, matched, i),
                     &slo,
@@ -265,7 +267,7 @@ impl GatewayState {
         let rates: Vec<f64> = route
             .pool
             .iter()
-            .filter_map(|&i| self.models[i].lock().prefill_rate())
+            .filter_map(|&i| self.router.registry.replica(i)?.model.lock().prefill_rate())
             .collect();
         (!rates.is_empty()).then(|| rates.iter().sum())
     }
@@ -286,14 +288,15 @@ impl GatewayState {
         if !route.cfg.admission {
             return false;
         }
+        let replicas = self.router.registry.replicas();
         let best = route
             .pool
             .iter()
-            .filter(|&&i| self.router.registry.replicas[i].is_healthy())
-            .map(|&i| {
-                self.models[i]
+            .filter_map(|&i| replicas.get(i).filter(|r| r.is_healthy()))
+            .map(|r| {
+                r.model
                     .lock()
-                    .predict_ttft(0, self.uncached(p, matched, i))
+                    .predict_ttft(0, self.uncached(p, matched, r.slot))
                     .unwrap_or(Duration::ZERO)
             })
             .min()
@@ -335,10 +338,11 @@ impl GatewayState {
                         self.router
                             .registry
                             .note_dispatch(d.replica, p.prompt_tokens as u64);
-                        let pending = PendingPrefill::new(
-                            self.router.registry.replicas[d.replica].clone(),
-                            self.uncached(p, &matched, d.replica),
-                        );
+                        let Some(replica) = self.router.registry.replica(d.replica) else {
+                            continue;
+                        };
+                        let pending =
+                            PendingPrefill::new(replica, self.uncached(p, &matched, d.replica));
                         let admitted = Admitted::new(
                             rt.clone(),
                             p.prompt_tokens as u64,

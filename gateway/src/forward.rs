@@ -232,7 +232,7 @@ impl GatewayState {
         let mut tried: Vec<usize> = Vec::new();
         let mut last_error = ApiError::unavailable("no healthy replica is available")
             .with_code("no_healthy_replica");
-        let outside: Vec<usize> = (0..registry.replicas.len())
+        let outside: Vec<usize> = (0..registry.slots())
             .filter(|i| !route.pool.contains(i))
             .collect();
         let mut first = Some(admitted.decision.clone());
@@ -258,8 +258,10 @@ impl GatewayState {
                     break;
                 }
             };
-            let replica = registry.replicas[d.replica].clone();
             tried.push(d.replica);
+            let Some(replica) = registry.replica(d.replica) else {
+                continue;
+            };
             // Subscribed before sending, so an ejection in between is not missed.
             let mut ejected = Box::pin(replica.ejected());
             let in_flight = InFlight::new(replica.clone());
@@ -504,7 +506,7 @@ impl GatewayState {
                         ctx.pending.done();
                         outcome.ttft = Some(now - ctx.started);
                         stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
-                        self.models[ctx.replica.slot].lock().observe_ttft(
+                        ctx.replica.model.lock().observe_ttft(
                             ctx.ahead_tokens,
                             ctx.uncached_tokens,
                             now - ctx.sent_at,
@@ -514,9 +516,7 @@ impl GatewayState {
                         outcome.gaps.push(now - prev);
                         stats.inter_token_seconds.record((now - prev).as_secs_f64());
                         let batch = ctx.replica.load().requests().max(1);
-                        self.models[ctx.replica.slot]
-                            .lock()
-                            .observe_itl(batch, now - prev);
+                        ctx.replica.model.lock().observe_itl(batch, now - prev);
                     }
                 }
                 last = Some(now);

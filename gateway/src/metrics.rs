@@ -38,11 +38,16 @@ pub struct GatewayMetrics {
     pub policy_last_reload_ok: Gauge,
     /// Accepted, rejected.
     policy_reloads: [Counter; 2],
-    pub replicas: Vec<ReplicaMetrics>,
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl GatewayMetrics {
-    pub fn new(replica_names: &[String]) -> Self {
+    pub fn new() -> Self {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &TIMER_BUCKETS)
             .expect("bucket list is non-empty")
@@ -222,30 +227,6 @@ impl GatewayMetrics {
             "kvgate_gateway_prefix_index_bytes",
             "Estimated memory of the prefix index",
         );
-        let replicas = replica_names
-            .iter()
-            .map(|n| {
-                let l = || vec![Label::new("replica", n.clone())];
-                ReplicaMetrics {
-                    healthy: recorder.register_gauge(
-                        &Key::from_parts("kvgate_gateway_replica_healthy", l()),
-                        &META,
-                    ),
-                    prompt_tokens: recorder.register_counter(
-                        &Key::from_parts("kvgate_gateway_prompt_tokens_total", l()),
-                        &META,
-                    ),
-                    predicted_hit_tokens: recorder.register_counter(
-                        &Key::from_parts("kvgate_gateway_predicted_hit_tokens_total", l()),
-                        &META,
-                    ),
-                    in_flight: recorder.register_gauge(
-                        &Key::from_parts("kvgate_gateway_replica_in_flight", l()),
-                        &META,
-                    ),
-                }
-            })
-            .collect();
         GatewayMetrics {
             tokenize_seconds: h(
                 "kvgate_gateway_tokenize_seconds",
@@ -276,9 +257,32 @@ impl GatewayMetrics {
                 &Key::from_name("kvgate_gateway_policy_last_reload_ok"),
                 &META,
             ),
-            replicas,
             recorder,
             handle,
+        }
+    }
+
+    /// The handles of one replica's series.
+    pub fn replica(&self, name: &str) -> ReplicaMetrics {
+        let r = &self.recorder;
+        let l = || vec![Label::new("replica", name.to_string())];
+        ReplicaMetrics {
+            healthy: r.register_gauge(
+                &Key::from_parts("kvgate_gateway_replica_healthy", l()),
+                &META,
+            ),
+            prompt_tokens: r.register_counter(
+                &Key::from_parts("kvgate_gateway_prompt_tokens_total", l()),
+                &META,
+            ),
+            predicted_hit_tokens: r.register_counter(
+                &Key::from_parts("kvgate_gateway_predicted_hit_tokens_total", l()),
+                &META,
+            ),
+            in_flight: r.register_gauge(
+                &Key::from_parts("kvgate_gateway_replica_in_flight", l()),
+                &META,
+            ),
         }
     }
 

@@ -68,7 +68,9 @@ pub struct ReloadError {
 pub struct PolicyStore {
     active: ArcSwap<ActivePolicy>,
     path: Option<PathBuf>,
-    replicas: Vec<String>,
+    /// The listed replicas, in the gateway file's order, with their registry slots: pools
+    /// name replicas by `host:port` or list index, routes hold slots.
+    replicas: Mutex<Vec<(usize, String)>>,
     metrics: Arc<GatewayMetrics>,
     runtimes: Mutex<HashMap<String, Arc<RouteRuntime>>>,
     last_error: Mutex<Option<ReloadError>>,
@@ -96,7 +98,7 @@ impl PolicyStore {
         file: PolicyFile,
         text: Option<&str>,
         path: Option<PathBuf>,
-        replicas: Vec<String>,
+        replicas: Vec<(usize, String)>,
         metrics: Arc<GatewayMetrics>,
     ) -> Self {
         let runtimes = Mutex::new(HashMap::new());
@@ -115,12 +117,43 @@ impl PolicyStore {
             versions: Mutex::new(versions),
             active: ArcSwap::from_pointee(active),
             path,
-            replicas,
+            replicas: Mutex::new(replicas),
             metrics,
             runtimes,
             last_error: Mutex::new(None),
             last_seen: Mutex::new(text.map(text_hash)),
         }
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.replicas
+            .lock()
+            .iter()
+            .map(|(_, n)| n.clone())
+            .collect()
+    }
+
+    /// Whether the active policy still holds with `names` as the replica list (a pool may
+    /// name a replica the new list drops).
+    pub fn check_replicas(&self, names: &[String]) -> Result<(), ConfigError> {
+        self.load().file.validate(names)
+    }
+
+    /// Rebuilds the active policy over a new replica list (checked with
+    /// [`PolicyStore::check_replicas`] first).
+    pub fn set_replicas(&self, listed: Vec<(usize, String)>) {
+        let active = self.load();
+        let next = build(
+            active.file.clone(),
+            active.version.clone(),
+            active.generation + 1,
+            &listed,
+            &self.metrics,
+            &self.runtimes,
+        );
+        *self.replicas.lock() = listed;
+        self.metrics.policy_generation.set(next.generation as f64);
+        self.active.store(Arc::new(next));
     }
 
     pub fn load(&self) -> Arc<ActivePolicy> {
@@ -161,7 +194,8 @@ impl PolicyStore {
         if !force && *self.last_seen.lock() == Some(h) {
             return Ok(false);
         }
-        let file = match PolicyFile::from_toml(&text, &self.replicas) {
+        let names = self.names();
+        let file = match PolicyFile::from_toml(&text, &names) {
             Ok(f) => f,
             Err(e) => {
                 let fields = match &e {
@@ -202,7 +236,7 @@ impl PolicyStore {
             file,
             version,
             generation,
-            &self.replicas,
+            &self.replicas.lock(),
             &self.metrics,
             &self.runtimes,
         );
@@ -296,10 +330,11 @@ fn build(
     file: PolicyFile,
     version: String,
     generation: u64,
-    replicas: &[String],
+    replicas: &[(usize, String)],
     metrics: &Arc<GatewayMetrics>,
     runtimes: &Mutex<HashMap<String, Arc<RouteRuntime>>>,
 ) -> ActivePolicy {
+    let names: Vec<String> = replicas.iter().map(|(_, n)| n.clone()).collect();
     let mut rts = runtimes.lock();
     let routes = file
         .routes
@@ -313,7 +348,11 @@ fn build(
             rt.queue.set_capacity(cfg.queue_size);
             ActiveRoute {
                 policy: policies::build(cfg.policy.as_ref().unwrap_or(&file.policy)),
-                pool: file.pool(i, replicas),
+                pool: file
+                    .pool(i, &names)
+                    .into_iter()
+                    .map(|k| replicas[k].0)
+                    .collect(),
                 slo: Slo {
                     ttft: cfg.slo.ttft_ms.map(Duration::from_millis),
                     itl: cfg.slo.itl_ms.map(Duration::from_millis),

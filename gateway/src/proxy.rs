@@ -19,7 +19,6 @@ use protocol::ApiError;
 use tokio::sync::Semaphore;
 
 use crate::access_log::{AccessLog, AccessRecord};
-use crate::admission::LatencyModel;
 use crate::auth::ApiKeyStore;
 use crate::body::read_whole_body;
 use crate::conn::GuardedStream;
@@ -42,8 +41,6 @@ pub struct GatewayState {
     pub retry_backoff: Duration,
     pub first_byte_timeout: Duration,
     pub session_header: String,
-    /// Per replica, the latency model learnt from the streams this gateway relays.
-    pub models: Vec<parking_lot::Mutex<LatencyModel>>,
     /// Routes, SLOs and admission thresholds (hot-reloaded).
     pub policies: PolicyStore,
     /// Client API keys (hot-reloaded).
@@ -58,6 +55,8 @@ pub struct GatewayState {
     pub max_request_prompt_tokens: usize,
     /// `model.max_model_len` from the gateway file.
     pub model_len_override: Option<usize>,
+    /// The gateway file and the hash of its text last seen, for replica-list reloads.
+    pub gateway_file: Option<(std::path::PathBuf, parking_lot::Mutex<Option<u64>>)>,
 }
 
 pub struct GatewayProxy {
@@ -127,7 +126,7 @@ impl GatewayState {
     async fn models(&self, session: &mut Session) -> u16 {
         // The union of the healthy replicas' model lists.
         let mut ids: Vec<serde_json::Value> = Vec::new();
-        for r in &self.router.registry.replicas {
+        for r in self.router.registry.replicas().iter() {
             let (true, Some(addr)) = (r.is_healthy(), r.addr()) else {
                 continue;
             };
@@ -434,6 +433,41 @@ impl ProxyHttp for GatewayProxy {
 }
 
 impl GatewayState {
+    /// Re-reads the gateway file and applies its replica list (the only part that reloads;
+    /// other changes are named in the log as needing a restart). A list the active policy
+    /// cannot take (a pool names a replica it drops) is refused whole.
+    pub fn reload_replicas(&self, force: bool) -> Result<bool, String> {
+        let Some((path, seen)) = &self.gateway_file else {
+            return Err("the gateway was not started from a file; nothing to reload".into());
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let h = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+        if !force && *seen.lock() == Some(h) {
+            return Ok(false);
+        }
+        *seen.lock() = Some(h);
+        let result = config::GatewayConfig::from_toml(&text)
+            .map_err(|e| format!("{}: {e}", path.display()))
+            .and_then(|cfg| {
+                self.policies.check_replicas(&cfg.replicas).map_err(|e| {
+                    format!("the active policy does not fit the new replica list: {e}")
+                })?;
+                let slots = self.router.registry.reconcile(&cfg.replicas)?;
+                self.policies.set_replicas(
+                    slots
+                        .into_iter()
+                        .zip(cfg.replicas.iter().cloned())
+                        .collect(),
+                );
+                Ok(true)
+            });
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "replica list reload rejected; the list in force stays");
+        }
+        result
+    }
+
     pub(crate) fn auth_failed(&self, port: &'static str) {
         self.router
             .metrics

@@ -1,9 +1,15 @@
-//! The replica fleet as the gateway knows it: for each configured `host:port`, its resolved
-//! address (re-resolved on every health check, so DNS names follow their records), health
-//! (ejected after consecutive failures, readmitted after consecutive passes), load (polled from
-//! `/get_load`, plus the gateway's own in-flight count) and its KV event subscription, which
-//! keeps the prefix index exact while it is live. Policies see a [`ReplicaSet`] snapshot built
-//! from these atomics per request.
+//! The replica fleet as the gateway knows it: for each configured `host:port`, one record
+//! ([`ReplicaHandle`]) with its resolved address (re-resolved on every health check, so DNS
+//! names follow their records), health (ejected after consecutive failures, readmitted after
+//! consecutive passes), load (polled from `/get_load`, plus the gateway's own in-flight count),
+//! the latency model learnt from its streams, its metric handles and its KV event
+//! subscription, which keeps the prefix index exact while it is live. Policies see a
+//! [`ReplicaSet`] snapshot built from these per request.
+//!
+//! The list is reloadable ([`Registry::reconcile`]): a replica keeps its slot (its bit in the
+//! prefix index) for as long as it is listed; a new one gets a free slot; a removed one is
+//! retired — no new requests, its background tasks stopped, its index bits cleared — while the
+//! requests it already has run to their end.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -19,7 +25,14 @@ use parking_lot::RwLock;
 use policies::{LoadSignal, ReplicaSet, ReplicaView};
 use protocol::kv_events::FrameDecoder;
 
+use arc_swap::ArcSwap;
+
+use crate::admission::LatencyModel;
+use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
+
+/// Most replicas (slots) a gateway tracks: one bit each in the prefix index.
+pub const MAX_SLOTS: usize = 64;
 
 pub type HttpClient = Client<HttpConnector, http_body_util::Full<Bytes>>;
 
@@ -36,6 +49,13 @@ pub fn http_client(connect_timeout: Duration) -> HttpClient {
 pub struct ReplicaHandle {
     pub slot: usize,
     pub name: String,
+    /// What the gateway has learnt about this replica's speed from the streams it relays.
+    pub model: parking_lot::Mutex<LatencyModel>,
+    pub metrics: ReplicaMetrics,
+    /// Removed from the list: no new requests; the ones it has finish.
+    retired: AtomicBool,
+    /// Health, load and event tasks, stopped on retirement.
+    tasks: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     addr: RwLock<Option<SocketAddr>>,
     healthy: AtomicBool,
     fails: AtomicU32,
@@ -74,10 +94,14 @@ pub struct ReplicaHandle {
 }
 
 impl ReplicaHandle {
-    fn new(slot: usize, name: String) -> Self {
+    fn new(slot: usize, name: String, metrics: ReplicaMetrics) -> Self {
         ReplicaHandle {
             slot,
             name,
+            model: parking_lot::Mutex::new(LatencyModel::default()),
+            metrics,
+            retired: AtomicBool::new(false),
+            tasks: parking_lot::Mutex::new(Vec::new()),
             addr: RwLock::new(None),
             healthy: AtomicBool::new(false),
             fails: AtomicU32::new(0),
@@ -120,8 +144,13 @@ impl ReplicaHandle {
         *self.addr.read()
     }
 
+    /// Admitted by its health checks and still listed.
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        self.healthy.load(Ordering::Relaxed) && !self.is_retired()
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
     }
 
     /// Whether the KV event stream is connected (index exact for this replica).
@@ -187,8 +216,10 @@ impl Drop for InFlight {
 }
 
 pub struct Registry {
-    pub replicas: Vec<Arc<ReplicaHandle>>,
+    /// By slot; retired replicas stay in their slot until it is reused.
+    replicas: ArcSwap<Vec<Arc<ReplicaHandle>>>,
     pub index: Arc<PrefixIndex>,
+    metrics: Arc<GatewayMetrics>,
     cfg: GatewayConfig,
     client: HttpClient,
     epoch: Instant,
@@ -202,25 +233,119 @@ impl Registry {
         index: Arc<PrefixIndex>,
         client: HttpClient,
         fleet_token: Option<&str>,
+        metrics: Arc<GatewayMetrics>,
     ) -> Self {
         let fleet_auth = fleet_token.and_then(|t| {
             let mut v = http::HeaderValue::from_str(&format!("Bearer {t}")).ok()?;
             v.set_sensitive(true);
             Some(v)
         });
+        let replicas = cfg
+            .replicas
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone(), metrics.replica(n))))
+            .collect();
         Registry {
             fleet_auth,
-            replicas: cfg
-                .replicas
-                .iter()
-                .enumerate()
-                .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone())))
-                .collect(),
+            replicas: ArcSwap::from_pointee(replicas),
+            metrics,
             index,
             cfg: cfg.clone(),
             client,
             epoch: Instant::now(),
         }
+    }
+
+    /// Every slot's replica (retired ones included; check [`ReplicaHandle::is_retired`]).
+    pub fn replicas(&self) -> Arc<Vec<Arc<ReplicaHandle>>> {
+        self.replicas.load_full()
+    }
+
+    /// The replica in `slot`.
+    pub fn replica(&self, slot: usize) -> Option<Arc<ReplicaHandle>> {
+        self.replicas.load().get(slot).cloned()
+    }
+
+    /// Number of slots (retired included): the range of replica ids.
+    pub fn slots(&self) -> usize {
+        self.replicas.load().len()
+    }
+
+    /// The listed (not retired) replicas' names, in slot order, and their slots.
+    pub fn listed(&self) -> Vec<(usize, String)> {
+        self.replicas
+            .load()
+            .iter()
+            .filter(|r| !r.is_retired())
+            .map(|r| (r.slot, r.name.clone()))
+            .collect()
+    }
+
+    /// Makes the listed replicas exactly `names`: a replica still listed keeps its slot and
+    /// state, a new one takes a free slot (a never-used one, or a retired one with nothing in
+    /// flight) and starts its background tasks, a removed one is retired. Returns the slot of
+    /// each name, in order.
+    pub fn reconcile(self: &Arc<Self>, names: &[String]) -> Result<Vec<usize>, String> {
+        let old = self.replicas.load_full();
+        let mut next: Vec<Arc<ReplicaHandle>> = old.as_ref().clone();
+        let mut added = Vec::new();
+        let mut slots = Vec::with_capacity(names.len());
+        for n in names {
+            if let Some(r) = next.iter().find(|r| &r.name == n && !r.is_retired()) {
+                slots.push(r.slot);
+                continue;
+            }
+            let free = next.iter().position(|r| {
+                r.is_retired()
+                    && r.in_flight.load(Ordering::Relaxed) == 0
+                    && !names.contains(&r.name)
+            });
+            let slot = match free {
+                Some(s) => s,
+                None if next.len() < MAX_SLOTS => next.len(),
+                None => {
+                    return Err(format!(
+                        "no free slot for {n}: at most {MAX_SLOTS} replicas (removed ones free \
+                         their slot once their requests end)"
+                    ))
+                }
+            };
+            let h = Arc::new(ReplicaHandle::new(slot, n.clone(), self.metrics.replica(n)));
+            if slot == next.len() {
+                next.push(h.clone());
+            } else {
+                next[slot] = h.clone();
+            }
+            self.index.remove_replica(slot);
+            added.push(h);
+            slots.push(slot);
+        }
+        let mut removed = Vec::new();
+        for r in next.iter() {
+            if !r.is_retired() && !names.contains(&r.name) {
+                r.retired.store(true, Ordering::Relaxed);
+                r.ejections.send_modify(|n| *n += 1);
+                for t in r.tasks.lock().drain(..) {
+                    t.abort();
+                }
+                self.index.remove_replica(r.slot);
+                r.metrics.healthy.set(0.0);
+                removed.push(r.name.clone());
+            }
+        }
+        self.replicas.store(Arc::new(next));
+        for h in &added {
+            self.spawn_tasks(h);
+        }
+        if !added.is_empty() || !removed.is_empty() {
+            tracing::info!(
+                added = ?added.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(),
+                removed = ?removed,
+                "replica list reloaded"
+            );
+        }
+        Ok(slots)
     }
 
     /// A request to a replica, carrying the fleet token.
@@ -241,9 +366,14 @@ impl Registry {
             .unwrap_or_else(|_| http::Request::new(http_body_util::Full::new(Bytes::new())))
     }
 
-    /// The smallest context limit the replicas reported, if any did.
+    /// The smallest context limit the listed replicas reported, if any did.
     pub fn max_model_len(&self) -> Option<u64> {
-        self.replicas.iter().filter_map(|r| r.max_model_len()).min()
+        self.replicas
+            .load()
+            .iter()
+            .filter(|r| !r.is_retired())
+            .filter_map(|r| r.max_model_len())
+            .min()
     }
 
     /// Seconds since start: the prefix index's clock.
@@ -255,6 +385,7 @@ impl Registry {
         ReplicaSet {
             replicas: self
                 .replicas
+                .load()
                 .iter()
                 .map(|r| ReplicaView {
                     name: r.name.clone(),
@@ -268,6 +399,7 @@ impl Registry {
     /// Per replica: how long approximate index records are trusted.
     pub fn index_ttls(&self) -> Vec<u32> {
         self.replicas
+            .load()
             .iter()
             .map(|r| {
                 if r.events_live() {
@@ -285,9 +417,9 @@ impl Registry {
 
     /// Records `tokens` of prompt sent to replica `slot` (projected KV until the next report).
     pub fn note_dispatch(&self, slot: usize, tokens: u64) {
-        self.replicas[slot]
-            .since_poll_tokens
-            .fetch_add(tokens, Ordering::Relaxed);
+        if let Some(r) = self.replica(slot) {
+            r.since_poll_tokens.fetch_add(tokens, Ordering::Relaxed);
+        }
     }
 
     /// Replica `slot` as admission sees it for a request of `own_tokens` prompt tokens: KV
@@ -301,7 +433,9 @@ impl Registry {
         holdoff: Duration,
         own_tokens: u64,
     ) -> crate::admission::ReplicaPressure {
-        let r = &self.replicas[slot];
+        let Some(r) = self.replica(slot) else {
+            return crate::admission::ReplicaPressure::default();
+        };
         let l = r.load();
         let at = r.preempted_at_ms.load(Ordering::Relaxed);
         let capacity = r.capacity_tokens.load(Ordering::Relaxed);
@@ -320,19 +454,25 @@ impl Registry {
     }
 
     pub fn healthy_count(&self) -> usize {
-        self.replicas.iter().filter(|r| r.is_healthy()).count()
+        self.replicas
+            .load()
+            .iter()
+            .filter(|r| r.is_healthy())
+            .count()
     }
 
     /// Admits or ejects a replica by hand (operator override; benchmarks without a network).
     pub fn set_healthy(&self, slot: usize, healthy: bool) {
-        self.replicas[slot]
-            .healthy
-            .store(healthy, Ordering::Relaxed);
+        if let Some(r) = self.replica(slot) {
+            r.healthy.store(healthy, Ordering::Relaxed);
+        }
     }
 
     /// A failed connect counts like a failed health check.
     pub fn report_failure(&self, slot: usize) {
-        self.record_check(&self.replicas[slot], false);
+        if let Some(r) = self.replica(slot) {
+            self.record_check(&r, false);
+        }
     }
 
     fn record_check(&self, r: &ReplicaHandle, ok: bool) {
@@ -528,39 +668,46 @@ impl Registry {
         Err("stream ended".into())
     }
 
-    /// Starts health checks, load polling and (when enabled) KV event subscriptions.
+    /// Starts health checks, load polling and (when enabled) KV event subscriptions for every
+    /// listed replica.
     pub fn spawn_background(self: &Arc<Self>) {
-        for r in &self.replicas {
-            let (me, rep) = (self.clone(), r.clone());
-            every(self.cfg.health.interval_ms, move || {
-                let (me, rep) = (me.clone(), rep.clone());
-                async move { me.check(&rep).await }
-            });
-            let (me, rep) = (self.clone(), r.clone());
-            every(self.cfg.upstream.load_poll_ms, move || {
-                let (me, rep) = (me.clone(), rep.clone());
-                async move { me.poll_load(&rep).await }
-            });
-            if self.cfg.index.kv_events {
-                let me = self.clone();
-                let rep = r.clone();
-                tokio::spawn(async move {
-                    loop {
-                        let outcome = me.follow_events(&rep).await;
-                        if rep.events_live.swap(false, Ordering::Relaxed) {
-                            tracing::info!(replica = %rep.name, reason = ?outcome, "KV event stream lost; resyncing");
-                        }
-                        me.index.clear_exact(rep.slot);
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                });
-            }
+        for r in self.replicas.load().iter() {
+            self.spawn_tasks(r);
         }
+    }
+
+    fn spawn_tasks(self: &Arc<Self>, r: &Arc<ReplicaHandle>) {
+        let mut tasks = Vec::new();
+        let (me, rep) = (self.clone(), r.clone());
+        tasks.push(every(self.cfg.health.interval_ms, move || {
+            let (me, rep) = (me.clone(), rep.clone());
+            async move { me.check(&rep).await }
+        }));
+        let (me, rep) = (self.clone(), r.clone());
+        tasks.push(every(self.cfg.upstream.load_poll_ms, move || {
+            let (me, rep) = (me.clone(), rep.clone());
+            async move { me.poll_load(&rep).await }
+        }));
+        if self.cfg.index.kv_events {
+            let me = self.clone();
+            let rep = r.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let outcome = me.follow_events(&rep).await;
+                    if rep.events_live.swap(false, Ordering::Relaxed) {
+                        tracing::info!(replica = %rep.name, reason = ?outcome, "KV event stream lost; resyncing");
+                    }
+                    me.index.clear_exact(rep.slot);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }));
+        }
+        *r.tasks.lock() = tasks;
     }
 }
 
 /// Runs `task` every `period_ms`, forever; a slow run delays the next instead of piling up.
-fn every<F, Fut>(period_ms: u64, task: F)
+fn every<F, Fut>(period_ms: u64, task: F) -> tokio::task::JoinHandle<()>
 where
     F: Fn() -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
@@ -572,5 +719,5 @@ where
             tick.tick().await;
             task().await;
         }
-    });
+    })
 }

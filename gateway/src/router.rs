@@ -320,7 +320,7 @@ impl Router {
     pub fn matched(&self, p: &Prepared) -> Vec<usize> {
         self.registry.index.match_lengths(
             &p.hashes[..p.cacheable],
-            self.registry.replicas.len(),
+            self.registry.slots(),
             self.registry.now_s(),
             &self.registry.index_ttls(),
         )
@@ -361,9 +361,10 @@ impl Router {
             .index
             .record_routed(d.replica, &p.hashes, self.registry.now_s());
         self.metrics.decision(policy, d.reason.label());
-        if let Some(m) = self.metrics.replicas.get(d.replica) {
-            m.prompt_tokens.increment(p.prompt_tokens as u64);
-            m.predicted_hit_tokens
+        if let Some(r) = self.registry.replica(d.replica) {
+            r.metrics.prompt_tokens.increment(p.prompt_tokens as u64);
+            r.metrics
+                .predicted_hit_tokens
                 .increment((d.matched_blocks * self.block_size) as u64);
         }
     }
@@ -371,6 +372,7 @@ impl Router {
     /// `POST /admin/route/explain`: the decision and everything behind it, nothing sent.
     pub fn explain(&self, p: &Prepared, route: &ActiveRoute) -> Value {
         let set = self.registry.snapshot();
+        let all = self.registry.replicas();
         let matched = self.matched(p);
         let outside: Vec<usize> = (0..set.replicas.len())
             .filter(|i| !route.pool.contains(i))
@@ -390,9 +392,10 @@ impl Router {
                     "replica": r.name,
                     "healthy": r.healthy,
                     "in_pool": route.pool.contains(&i),
-                    "kv_events": self.registry.replicas[i].events_live(),
-                    "matched_blocks": matched[i],
-                    "predicted_cached_tokens": matched[i] * self.block_size,
+                    "kv_events": all.get(i).is_some_and(|h| h.events_live()),
+                    "retired": all.get(i).is_some_and(|h| h.is_retired()),
+                    "matched_blocks": matched.get(i).copied().unwrap_or(0),
+                    "predicted_cached_tokens": matched.get(i).copied().unwrap_or(0) * self.block_size,
                     "load": {
                         "in_flight": r.load.in_flight,
                         "waiting": r.load.waiting,

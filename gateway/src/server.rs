@@ -27,7 +27,6 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::access_log::AccessLog;
-use crate::admission::LatencyModel;
 use crate::auth::{
     check_bearer, is_loopback, read_secret, ApiKeyStore, ADMIN_TOKEN_ENV, FLEET_TOKEN_ENV,
 };
@@ -102,15 +101,17 @@ pub async fn build_gateway(
         .map_err(|e| GatewayError::AccessLog(cfg.access_log.path.clone(), e))?;
     let client = http_client(Duration::from_millis(cfg.upstream.connect_timeout_ms));
     let index = Arc::new(PrefixIndex::new(cfg.index.approx_capacity_blocks));
+    let metrics = Arc::new(GatewayMetrics::new());
     let registry = Arc::new(Registry::new(
         &cfg,
         index.clone(),
         client.clone(),
         fleet_token.as_deref(),
+        metrics.clone(),
     ));
-    let metrics = Arc::new(GatewayMetrics::new(&cfg.replicas));
     // First health check before accepting traffic, so a ready gateway knows its fleet.
-    futures::future::join_all(registry.replicas.iter().map(|r| registry.check(r))).await;
+    let first = registry.replicas();
+    futures::future::join_all(first.iter().map(|r| registry.check(r))).await;
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
     let router = Router::new(
@@ -138,15 +139,14 @@ pub async fn build_gateway(
         tokenize_wait: Duration::from_millis(d.tokenize_queue_timeout_ms),
         max_request_prompt_tokens: d.max_request_prompt_tokens,
         model_len_override: cfg.model.max_model_len,
+        gateway_file: cfg
+            .config_path
+            .clone()
+            .map(|p| (p, parking_lot::Mutex::new(None))),
         retries: cfg.upstream.retries,
         retry_backoff: Duration::from_millis(cfg.upstream.retry_backoff_ms),
         first_byte_timeout: Duration::from_secs(cfg.upstream.first_byte_timeout_s),
         session_header: cfg.session_header.to_ascii_lowercase(),
-        models: cfg
-            .replicas
-            .iter()
-            .map(|_| parking_lot::Mutex::new(LatencyModel::default()))
-            .collect(),
         policies,
     });
     spawn_policy_reloaders(&state);
@@ -161,9 +161,11 @@ pub async fn build_gateway(
             let reg = &s.router.registry;
             m.index_blocks.set(reg.index.len() as f64);
             m.index_bytes.set(reg.index.size_bytes() as f64);
-            for (r, rm) in reg.replicas.iter().zip(&m.replicas) {
-                rm.healthy.set(if r.is_healthy() { 1.0 } else { 0.0 });
-                rm.in_flight.set(f64::from(r.load().in_flight));
+            for r in reg.replicas().iter().filter(|r| !r.is_retired()) {
+                r.metrics
+                    .healthy
+                    .set(if r.is_healthy() { 1.0 } else { 0.0 });
+                r.metrics.in_flight.set(f64::from(r.load().in_flight));
             }
             reg.index.expire(reg.now_s(), s_max_ttl(&cfg_ttls(&s)));
             for rt in s.policies.runtimes() {
@@ -205,7 +207,7 @@ fn load_policy(
             file,
             None,
             None,
-            cfg.replicas.clone(),
+            listed(&cfg.replicas),
             metrics.clone(),
         ));
     };
@@ -217,9 +219,14 @@ fn load_policy(
         file,
         Some(&text),
         Some(PathBuf::from(path)),
-        cfg.replicas.clone(),
+        listed(&cfg.replicas),
         metrics.clone(),
     ))
+}
+
+/// At start, slots are the list's order.
+fn listed(replicas: &[String]) -> Vec<(usize, String)> {
+    replicas.iter().cloned().enumerate().collect()
 }
 
 /// Reloads the policy file and the API key file when they change (checked every second) and
@@ -236,6 +243,7 @@ fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
                 let _ = s.policies.reload(false);
             }
             let _ = s.keys.reload(false);
+            let _ = s.reload_replicas(false);
         }
     });
     #[cfg(unix)]
@@ -247,11 +255,14 @@ fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
                 tokio::spawn(async move {
                     while hup.recv().await.is_some() {
                         let Some(s) = weak.upgrade() else { return };
-                        tracing::info!("SIGHUP: reloading the policy and API key files");
+                        tracing::info!(
+                            "SIGHUP: reloading the policy file, the API keys and the replica list"
+                        );
                         if s.policies.path().is_some() {
                             let _ = s.policies.reload(true);
                         }
                         let _ = s.keys.reload(true);
+                        let _ = s.reload_replicas(true);
                     }
                 });
             }
@@ -390,11 +401,12 @@ impl GatewayServer {
     }
 }
 
+/// Replica names by slot.
 fn names(state: &GatewayState) -> Vec<String> {
     state
         .router
         .registry
-        .replicas
+        .replicas()
         .iter()
         .map(|r| r.name.clone())
         .collect()
@@ -429,11 +441,12 @@ async fn admin_handle(
         ("GET", "/admin/replicas") => {
             let reg = &state.router.registry;
             let v: Vec<serde_json::Value> = reg
-                .replicas
+                .replicas()
                 .iter()
+                .filter(|r| !r.is_retired())
                 .map(|r| {
                     let l = r.load();
-                    let model = state.models[r.slot].lock().clone();
+                    let model = r.model.lock().clone();
                     let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
                     let pressure = reg.pressure(
                         r.slot,
@@ -463,6 +476,22 @@ async fn admin_handle(
             json(200, serde_json::Value::Array(v).to_string())
         }
         ("GET", "/admin/policy") => json(200, state.policies.describe(&names(&state)).to_string()),
+        ("POST", "/admin/replicas/reload") => match state.reload_replicas(true) {
+            Ok(_) => {
+                let listed: Vec<String> = state
+                    .router
+                    .registry
+                    .listed()
+                    .into_iter()
+                    .map(|(_, n)| n)
+                    .collect();
+                json(200, serde_json::json!({"replicas": listed}).to_string())
+            }
+            Err(e) => {
+                let err = ApiError::invalid_request(e).with_code("replicas_rejected");
+                json(400, err.to_json())
+            }
+        },
         ("POST", "/admin/policy/reload") => match state.policies.reload(true) {
             Ok(_) => json(200, state.policies.describe(&names(&state)).to_string()),
             Err(e) => {

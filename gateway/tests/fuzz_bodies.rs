@@ -197,13 +197,14 @@ fn router() -> Router {
         Arc::new(TextTokenizer::from_dir(&dir).expect("models/qwen3 (scripts/fetch-models.sh)"));
     let cfg = GatewayConfig::with_replicas(vec!["127.0.0.1:1".into()]);
     let index = Arc::new(PrefixIndex::new(1000));
+    let metrics = Arc::new(GatewayMetrics::new());
     let registry = Arc::new(Registry::new(
         &cfg,
         index,
         http_client(Duration::from_millis(100)),
         None,
+        metrics.clone(),
     ));
-    let metrics = Arc::new(GatewayMetrics::new(&cfg.replicas));
     Router::new(tok, "Qwen3-8B".into(), 16, registry, metrics)
 }
 

@@ -148,3 +148,92 @@ fn gateway_check_validates_every_file_and_exits() {
     assert!(err.contains("must list its [[routes]]"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_list_reloads_from_the_gateway_file() {
+    let a = start_replica(|c| c.replica_id = "a".into()).await;
+    let b = start_replica(|c| c.replica_id = "b".into()).await;
+    let dir = std::env::temp_dir().join(format!("kvgate-list-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("gateway.toml");
+    let write = |list: &[&str]| {
+        let tmp = dir.join("gateway.toml.new");
+        let quoted: Vec<String> = list.iter().map(|r| format!("\"http://{r}\"")).collect();
+        std::fs::write(&tmp, format!("replicas = [{}]\n", quoted.join(", "))).unwrap();
+        std::fs::rename(&tmp, &file).unwrap();
+    };
+    write(&[&a.host_port()]);
+    let path = file.clone();
+    let gw = start_gateway(&[&a], |c| {
+        c.config_path = Some(path);
+        c.policy = config::PolicyConfig::RoundRobin;
+    })
+    .await;
+    let served_by = |n: usize| {
+        let gw = &gw;
+        async move {
+            let mut seen = BTreeSet::new();
+            for i in 0..n {
+                let r = gw
+                    .post(
+                        "/v1/completions",
+                        json!({"model": "Qwen3-8B", "prompt": format!("q{i}"), "max_tokens": 1}),
+                    )
+                    .await;
+                assert_eq!(r.status(), 200);
+                seen.insert(
+                    r.headers()["x-kvgate-replica"]
+                        .to_str()
+                        .unwrap()
+                        .to_string(),
+                );
+            }
+            seen
+        }
+    };
+    assert_eq!(served_by(4).await, BTreeSet::from(["a".to_string()]));
+    // Add b: picked up from the file within a few seconds, admitted, used.
+    write(&[&a.host_port(), &b.host_port()]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let v = gw.admin_json("/admin/replicas").await;
+        let healthy = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["healthy"] == true)
+            .count();
+        if healthy == 2 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b never admitted: {v}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(served_by(4).await.len(), 2);
+    // Remove a: no new request reaches it.
+    write(&[&b.host_port()]);
+    let r = gw
+        .client
+        .post(format!("{}/admin/replicas/reload", gw.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(served_by(4).await, BTreeSet::from(["b".to_string()]));
+    // A list the policy cannot take is refused whole.
+    let bad = dir.join("gateway.toml.bad");
+    std::fs::write(&bad, "replicas = []\n").unwrap();
+    std::fs::rename(&bad, &file).unwrap();
+    let r = gw
+        .client
+        .post(format!("{}/admin/replicas/reload", gw.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(served_by(2).await, BTreeSet::from(["b".to_string()]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
