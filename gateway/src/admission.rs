@@ -1,14 +1,19 @@
 //! Goodput-based admission: dispatch a request only while its latency promise can still be
 //! kept, queue it briefly otherwise, and shed it early (429 + Retry-After) rather than thrash.
 //!
-//! Per replica, a [`LatencyModel`] learns from what the gateway forwards: the prefill rate
-//! (uncached prompt tokens per second, from observed TTFTs and the work queued ahead) and the
-//! p95 inter-token gap as a function of the running batch — the knee, learnt per batch bucket
-//! and interpolated between buckets. [`admissible`] asks: would this request's predicted
-//! TTFT (work ahead plus its own uncached tokens at the learnt rate) and the predicted gap with
+//! Per replica, a [`LatencyModel`] learns from what the gateway forwards: time to first token
+//! as an affine function of the prefill in front of it (`overhead + tokens / rate`, where
+//! tokens are the uncached prompt tokens queued ahead plus the request's own), and the p95
+//! inter-token gap as a function of the running batch — the knee, learnt per batch bucket and
+//! interpolated between buckets. The TTFT fit starts from a prior — the replica's own
+//! estimate of its prefill rate when it reports one (`prefill_tokens_per_s` in
+//! `/server_info`), a generic one otherwise — held as two pseudo-observations, at 0 and at
+//! 4,096 tokens: after a hundred short prompts, the fit still knows what a 6k-token prompt
+//! costs instead of extrapolating the short prompts' fixed overhead into a huge per-token
+//! cost. [`admissible`] asks: would this request's predicted TTFT and the predicted gap with
 //! one more sequence both meet the route's SLO, and are the leading indicators (preemptions
-//! rising, KV usage above the high-water mark) quiet? A replica with no observations yet is
-//! admissible: the model has to learn from somewhere.
+//! rising, KV usage above the high-water mark) quiet? An idle replica is always admissible:
+//! holding a request back from an idle replica helps nobody.
 //!
 //! [`AdmissionQueue`] holds waiting requests in (priority, deadline) order with a bound; a
 //! request whose TTFT deadline has passed, or that finds the queue full, is shed with a
@@ -116,21 +121,119 @@ fn bucket(batch: u32) -> usize {
         .unwrap_or(BATCH_BUCKETS.len() - 1)
 }
 
+/// The prefill rate assumed before a replica says or shows its own (tokens/s): an 8B model
+/// on one mid-range GPU.
+pub const GENERIC_PREFILL_RATE: f64 = 8_000.0;
+/// Fixed cost of a request before its prefill (seconds), in the prior.
+pub const GENERIC_OVERHEAD_S: f64 = 0.02;
+
+/// `ttft ≈ a + b · tokens`, fitted by weighted least squares: every observation's weight
+/// decays by [`TtftFit::FORGET`] per later observation (the replica's speed drifts with its
+/// load), and two pseudo-observations of the prior, at 0 and [`TtftFit::PRIOR_SPAN`] tokens,
+/// keep the line anchored where no data is.
+#[derive(Debug, Clone)]
+struct TtftFit {
+    sw: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    /// Prior overhead (s) and cost per token (s).
+    a0: f64,
+    b0: f64,
+    observed: u64,
+}
+
+impl Default for TtftFit {
+    fn default() -> Self {
+        TtftFit {
+            sw: 0.0,
+            sx: 0.0,
+            sy: 0.0,
+            sxx: 0.0,
+            sxy: 0.0,
+            a0: GENERIC_OVERHEAD_S,
+            b0: 1.0 / GENERIC_PREFILL_RATE,
+            observed: 0,
+        }
+    }
+}
+
+impl TtftFit {
+    const FORGET: f64 = 0.98;
+    const PRIOR_SPAN: f64 = 4096.0;
+    const PRIOR_WEIGHT: f64 = 0.5;
+
+    fn observe(&mut self, x: f64, y: f64) {
+        let f = Self::FORGET;
+        self.sw = self.sw * f + 1.0;
+        self.sx = self.sx * f + x;
+        self.sy = self.sy * f + y;
+        self.sxx = self.sxx * f + x * x;
+        self.sxy = self.sxy * f + x * y;
+        self.observed += 1;
+    }
+
+    /// `(a, b)`: overhead in seconds and seconds per token.
+    fn coefficients(&self) -> (f64, f64) {
+        let w = Self::PRIOR_WEIGHT;
+        let (x1, y0, y1) = (
+            Self::PRIOR_SPAN,
+            self.a0,
+            self.a0 + self.b0 * Self::PRIOR_SPAN,
+        );
+        let sw = self.sw + 2.0 * w;
+        let sx = self.sx + w * x1;
+        let sy = self.sy + w * (y0 + y1);
+        let sxx = self.sxx + w * x1 * x1;
+        let sxy = self.sxy + w * x1 * y1;
+        let det = sw * sxx - sx * sx;
+        if det <= f64::EPSILON {
+            return (self.a0, self.b0);
+        }
+        // Never faster than 20x the prior per token, never negative.
+        let b = ((sw * sxy - sx * sy) / det).max(self.b0 / 20.0);
+        let a = ((sy - b * sx) / sw).max(0.0);
+        (a, b)
+    }
+}
+
 /// What the gateway has learnt about one replica's speed.
 #[derive(Debug, Clone, Default)]
 pub struct LatencyModel {
-    prefill_tokens_per_s: Ewma,
+    ttft: TtftFit,
     itl_by_batch: [P95; BATCH_BUCKETS.len()],
 }
 
 impl LatencyModel {
+    /// Sets the prior of the TTFT fit: the replica's own prefill rate (tokens/s) and fixed
+    /// overhead (s).
+    pub fn set_prior(&mut self, prefill_tokens_per_s: f64, overhead_s: f64) {
+        if prefill_tokens_per_s > 0.0 && prefill_tokens_per_s.is_finite() {
+            self.ttft.b0 = 1.0 / prefill_tokens_per_s;
+        }
+        if overhead_s >= 0.0 && overhead_s.is_finite() {
+            self.ttft.a0 = overhead_s;
+        }
+    }
+
     /// A request with `tokens` uncached prompt tokens, behind `ahead` tokens of queued prefill,
     /// saw its first token after `ttft`.
     pub fn observe_ttft(&mut self, ahead: u64, tokens: u64, ttft: Duration) {
         let s = ttft.as_secs_f64();
-        if s > 0.0 && ahead + tokens > 0 {
-            self.prefill_tokens_per_s.add((ahead + tokens) as f64 / s);
+        if s > 0.0 {
+            self.ttft.observe((ahead + tokens) as f64, s);
         }
+    }
+
+    /// TTFT observations so far.
+    pub fn ttft_observations(&self) -> u64 {
+        self.ttft.observed
+    }
+
+    /// The fixed part of TTFT as learnt (seconds).
+    pub fn ttft_overhead(&self) -> f64 {
+        self.ttft.coefficients().0
     }
 
     /// An inter-token gap observed while the replica ran `batch` sequences.
@@ -138,13 +241,16 @@ impl LatencyModel {
         self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
     }
 
+    /// Prefill tokens per second as learnt (the prior until observations move it).
     pub fn prefill_rate(&self) -> Option<f64> {
-        self.prefill_tokens_per_s.0
+        let (_, b) = self.ttft.coefficients();
+        (b > 0.0).then(|| 1.0 / b)
     }
 
+    /// Predicted time to first token behind `ahead` queued tokens with `tokens` of its own.
     pub fn predict_ttft(&self, ahead: u64, tokens: u64) -> Option<Duration> {
-        let rate = self.prefill_tokens_per_s.0?;
-        Some(Duration::from_secs_f64((ahead + tokens) as f64 / rate))
+        let (a, b) = self.ttft.coefficients();
+        Some(Duration::from_secs_f64(a + b * (ahead + tokens) as f64))
     }
 
     /// The p95 gap at `batch`: interpolated between the learnt buckets around it, extrapolated
@@ -216,6 +322,11 @@ pub fn admissible(
     slo: &Slo,
     kv_high_water: f64,
 ) -> Result<(), Hold> {
+    // Holding a request back from an idle replica helps nobody: it goes, whatever the
+    // prediction (its own size is the only thing in its way).
+    if p.running == 0 && p.queued_prefill_tokens == 0 {
+        return Ok(());
+    }
     if p.preempting {
         return Err(Hold::Preempting);
     }
@@ -398,7 +509,9 @@ mod tests {
     fn learnt() -> LatencyModel {
         let mut m = LatencyModel::default();
         for _ in 0..20 {
+            m.observe_ttft(0, 200, 20 * MS);
             m.observe_ttft(0, 1000, 100 * MS);
+            m.observe_ttft(3000, 1000, 400 * MS);
             m.observe_itl(1, 10 * MS);
             m.observe_itl(32, 40 * MS);
             m.observe_itl(64, 80 * MS);
@@ -409,7 +522,8 @@ mod tests {
     #[test]
     fn admits_under_the_slo() {
         let m = learnt();
-        assert!((m.prefill_rate().unwrap() - 10_000.0).abs() < 1.0);
+        let rate = m.prefill_rate().unwrap();
+        assert!((rate - 10_000.0).abs() < 500.0, "{rate}");
         let p = ReplicaPressure {
             running: 8,
             queued_prefill_tokens: 2_000,
@@ -417,11 +531,61 @@ mod tests {
             preempting: false,
         };
         assert_eq!(admissible(&m, &p, 3_000, &slo(), 0.9), Ok(()));
-        // A model with nothing learnt yet admits: it has to learn from somewhere.
+        // A model with nothing learnt predicts from its prior (8k tokens/s): a busy replica
+        // holds a prompt that would take minutes, an idle one takes anything.
         assert_eq!(
-            admissible(&LatencyModel::default(), &p, 1_000_000, &slo(), 0.9),
+            admissible(&LatencyModel::default(), &p, 1_000_000, &slo(), 0.9)
+                .unwrap_err()
+                .label(),
+            "ttft"
+        );
+        assert_eq!(
+            admissible(
+                &LatencyModel::default(),
+                &ReplicaPressure::default(),
+                1_000_000,
+                &slo(),
+                0.9
+            ),
             Ok(())
         );
+    }
+
+    #[test]
+    fn a_long_prompt_after_many_short_ones_is_priced_from_the_prior() {
+        // A replica that says it prefills 20k tokens/s; 100 short prompts, each mostly fixed
+        // overhead (50 tokens in 25 ms: "2,000 tokens/s" if read as a rate).
+        let mut m = LatencyModel::default();
+        m.set_prior(20_000.0, 0.02);
+        for _ in 0..100 {
+            m.observe_ttft(0, 50, 25 * MS);
+        }
+        let six_k = m.predict_ttft(0, 6_000).unwrap();
+        assert!(
+            six_k > 250 * MS && six_k < 450 * MS,
+            "a 6k prompt is ~0.3 s of prefill, not 3 s: {six_k:?}"
+        );
+        let short = m.predict_ttft(0, 50).unwrap();
+        assert!((short.as_secs_f64() - 0.025).abs() < 0.005, "{short:?}");
+        // Busy, with 0.4 s of work queued: a 6k prompt still fits a 1 s promise.
+        let busy = ReplicaPressure {
+            running: 4,
+            queued_prefill_tokens: 4_000,
+            ..ReplicaPressure::default()
+        };
+        assert_eq!(admissible(&m, &busy, 6_000, &slo(), 0.9), Ok(()));
+    }
+
+    #[test]
+    fn what_the_data_shows_beats_the_prior() {
+        // The prior says 8k tokens/s; the replica really does 2k.
+        let mut m = LatencyModel::default();
+        for i in 0..200u64 {
+            let n = 100 + (i % 20) * 200;
+            m.observe_ttft(0, n, Duration::from_secs_f64(0.01 + n as f64 / 2_000.0));
+        }
+        let rate = m.prefill_rate().unwrap();
+        assert!((rate - 2_000.0).abs() < 200.0, "{rate}");
     }
 
     #[test]
@@ -460,6 +624,7 @@ mod tests {
     fn leading_indicators_cut_admission_off() {
         let m = learnt();
         let preempting = ReplicaPressure {
+            running: 1,
             preempting: true,
             ..ReplicaPressure::default()
         };

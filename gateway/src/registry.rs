@@ -561,6 +561,23 @@ impl Registry {
         self.record_check(r, ok);
         if let (true, Some(addr), None) = (ok, addr, r.max_model_len()) {
             self.learn_model_len(r, addr, timeout).await;
+            self.learn_prefill_prior(r, addr, timeout).await;
+        }
+    }
+
+    /// Starts the replica's TTFT model from its own prefill estimate, when it gives one
+    /// (kvgate replicas: `prefill_tokens_per_s` in `/server_info`).
+    async fn learn_prefill_prior(&self, r: &ReplicaHandle, addr: SocketAddr, timeout: Duration) {
+        let Some(body) = self.get(addr, "/server_info", timeout).await else {
+            return;
+        };
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
+            return;
+        };
+        if let Some(rate) = v["prefill_tokens_per_s"].as_f64() {
+            r.model
+                .lock()
+                .set_prior(rate, crate::admission::GENERIC_OVERHEAD_S);
         }
     }
 

@@ -113,6 +113,9 @@ pub struct ReplicaInfo {
     pub kv_cache_dtype: &'static str,
     pub enable_prefix_caching: bool,
     pub created: u64,
+    /// The replica's own estimate of its prefill throughput (tokens/s) at full chunks: the
+    /// gateway's admission starts from it (`prefill_tokens_per_s` in `/server_info`).
+    pub prefill_tokens_per_s: Option<f64>,
 }
 
 /// Everything a request handler needs.
@@ -256,6 +259,17 @@ pub async fn build_server(
     let corpus = tokenizer
         .encode(CORPUS, false)
         .map_err(|e| BuildError::Invalid(e.to_string()))?;
+    // One full chunk of a 2k-token prompt, as modelled, stretched by the time scale.
+    let chunk = cfg.max_num_batched_tokens.min(2048) as u64;
+    let chunk_s = roofline
+        .step_cost(&[crate::roofline::WorkItem {
+            context: 2048u64.saturating_sub(chunk),
+            new_tokens: chunk,
+            samples: true,
+        }])
+        .seconds
+        * cfg.time_scale;
+    let prefill_tokens_per_s = (chunk_s > 0.0).then(|| chunk as f64 / chunk_s);
     let backend = SimBackend::new(roofline, corpus, tokenizer.eos_token_id(), cfg.time_scale);
     let metrics = Arc::new(ReplicaMetrics::new(&cfg.replica_id));
     let hub = Arc::new(KvEventHub::new(cfg.block_size));
@@ -295,6 +309,7 @@ pub async fn build_server(
         },
         enable_prefix_caching: cfg.enable_prefix_caching,
         created: unix_now(),
+        prefill_tokens_per_s,
     };
     let replica_header = HeaderValue::from_str(&cfg.replica_id).map_err(|_| {
         BuildError::Invalid(format!(

@@ -169,6 +169,7 @@ pub fn server_info(state: &AppState) -> Response<Body> {
             "enable_prefix_caching": i.enable_prefix_caching,
             "dp_size": 1,
             "tp_size": 1,
+            "prefill_tokens_per_s": i.prefill_tokens_per_s,
             "version": env!("CARGO_PKG_VERSION"),
         }),
     )

@@ -345,3 +345,48 @@ async fn reloads_are_validated_atomic_and_lossless() {
     assert_eq!(reload().await, 400);
     assert_eq!(g.admin_json("/admin/policy").await["version"], "v2");
 }
+
+/// A hundred short prompts teach the gateway little about long ones: it must still price a
+/// 6k-token prompt by its tokens (from the replica's own prefill estimate, refined by what it
+/// sees), not by extrapolating the short prompts' fixed overhead. The replica is busy (two
+/// long streams), so the idle rule does not decide; the prediction does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_after_many_short_ones_is_admitted_when_it_fits() {
+    let rep = start_replica(|_| {}).await;
+    let file = PolicyFileOnDisk::new(
+        "after-short",
+        "version = \"t\"\n[[routes]]\nname = \"interactive\"\nqueue_timeout_ms = 3000\nslo = { ttft_ms = 1000 }\n",
+    );
+    let path = file.path.display().to_string();
+    let g = start_gateway(&[&rep], |c| c.policy_file = Some(path)).await;
+    for i in 0..100 {
+        let s = stream_completion(&g.client, &g.base, unique_prompt(50_000 + i, 40), 1).await;
+        assert_eq!(s.status, 200);
+    }
+    // Two long streams keep the replica busy.
+    let busy: Vec<_> = (0..2)
+        .map(|i| {
+            let (client, base) = (g.client.clone(), g.base.clone());
+            tokio::spawn(async move {
+                stream_completion(&client, &base, unique_prompt(60_000 + i, 40), 3000).await
+            })
+        })
+        .collect();
+    rep.wait_load(|l| l["num_reqs"].as_u64() == Some(2)).await;
+    for i in 0..5 {
+        let s = stream_completion(&g.client, &g.base, unique_prompt(70_000 + i, 6_000), 2).await;
+        assert_eq!(
+            s.status, 200,
+            "a 6k prompt fits a 1 s promise on an H100 ({:?})",
+            s.body
+        );
+    }
+    let replicas = g.admin_json("/admin/replicas").await;
+    let rate = replicas[0]["learnt"]["prefill_tokens_per_s"]
+        .as_f64()
+        .unwrap();
+    assert!(rate > 5_000.0, "learnt prefill rate {rate}");
+    for b in busy {
+        b.abort();
+    }
+}
