@@ -462,6 +462,45 @@ async fn serve_gateway(
     Ok(())
 }
 
+/// The default model files, fetched first (scripts/fetch-models.sh, checksummed) when they
+/// are missing and the script is at hand: `kvgate up` needs no step before it.
+fn default_files_or_fetch() -> Result<PathBuf> {
+    if let Some(d) =
+        protocol::tokenizer::default_tokenizer_dir().filter(|d| d.join("tokenizer.json").exists())
+    {
+        return Ok(d);
+    }
+    let mut roots = vec![std::env::current_dir()?];
+    if let Ok(exe) = std::env::current_exe() {
+        roots.extend(exe.ancestors().skip(1).take(4).map(PathBuf::from));
+    }
+    let script = roots
+        .iter()
+        .map(|r| r.join("scripts/fetch-models.sh"))
+        .find(|p| p.exists())
+        .ok_or_else(|| {
+            anyhow!("no tokenizer found and no scripts/fetch-models.sh to fetch it: pass --tokenizer DIR")
+        })?;
+    println!(
+        "default model files missing; fetching them with {}",
+        script.display()
+    );
+    let status = std::process::Command::new("bash")
+        .arg(&script)
+        .status()
+        .context("cannot run scripts/fetch-models.sh")?;
+    if !status.success() {
+        bail!("scripts/fetch-models.sh failed ({status}); see its output above");
+    }
+    let dir = script
+        .parent()
+        .and_then(|p| p.parent())
+        .map(|root| root.join("models/qwen3"))
+        .filter(|d| d.join("tokenizer.json").exists())
+        .ok_or_else(|| anyhow!("scripts/fetch-models.sh ran but models/qwen3 is still missing"))?;
+    Ok(dir)
+}
+
 /// A random token for `kvgate up`'s fleet (its replicas and its gateway share it).
 fn random_token() -> Result<String> {
     use std::io::Read;
@@ -534,9 +573,7 @@ async fn run_up(a: UpArgs) -> Result<()> {
     }
     let tokenizer = match &a.tokenizer {
         Some(d) => d.clone(),
-        None => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
-            anyhow!("no tokenizer found: run scripts/fetch-models.sh or pass --tokenizer DIR")
-        })?,
+        None => default_files_or_fetch()?,
     };
     let policy = a
         .policy

@@ -266,6 +266,14 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_file_is_valid() {
+        let text = include_str!("../api_keys.toml");
+        let k = ApiKeys::from_toml(text).unwrap();
+        assert_eq!(k.tenants(), ["acme", "beta"]);
+        assert!(k.lookup("sk-example-only-replace-me-0001").is_some());
+    }
+
+    #[test]
     fn env_spec_adds_keys() {
         let mut k = ApiKeys::default();
         k.add_env("sk-env-key-00000000001=acme:interactive+batch, sk-env-key-00000000002=beta")

@@ -84,30 +84,47 @@ impl Ewma {
     }
 }
 
-/// A running estimate of the 95th percentile (stochastic approximation): each sample above the
-/// estimate moves it up by `0.95 × step`, each below it down by `0.05 × step`, so it
-/// settles where 5% of samples lie above. The step is a fraction of the running mean, so the
-/// estimate adapts at the scale of what it tracks. Inter-token promises are p95 promises, and
-/// gaps are bimodal under chunked prefill (decode steps, and the rarer steps that also carry a
-/// prefill chunk): a mean would hide exactly the stalls the promise is about.
+/// A running estimate of the `Q`-th quantile (per mille; stochastic approximation): each
+/// sample above the estimate moves it up by `q × step`, each below it down by `(1 − q) × step`,
+/// so it settles where a share `1 − q` of samples lie above. The step is a fraction of the
+/// running mean, so the estimate adapts at the scale of what it tracks.
 #[derive(Debug, Clone, Copy, Default)]
-struct P95 {
+struct Quantile<const Q: u32> {
     mean: Ewma,
     q: Option<f64>,
 }
 
-impl P95 {
+impl<const Q: u32> Quantile<Q> {
     const STEP: f64 = 0.1;
 
     fn add(&mut self, x: f64) {
+        let share = f64::from(Q) / 1000.0;
         self.mean.add(x);
         let scale = self.mean.0.unwrap_or(x) * Self::STEP;
         self.q = Some(match self.q {
             None => x,
-            Some(q) if x > q => q + 0.95 * scale,
-            Some(q) if x < q => (q - 0.05 * scale).max(0.0),
+            Some(q) if x > q => q + share * scale,
+            Some(q) if x < q => (q - (1.0 - share) * scale).max(0.0),
             Some(q) => q,
         });
+    }
+}
+
+/// Inter-token gaps at one batch size. Gaps are bimodal under chunked prefill: decode steps,
+/// and the rarer steps that also carry a prefill chunk. The median is the decode step — what
+/// grows with the batch, and so the knee admission can move; the p95 includes the stalls, which
+/// the chunk budget decides and holding requests back does not fix (see BENCHMARKS: admission
+/// that held on the p95 refused work the fleet would have served in time).
+#[derive(Debug, Clone, Copy, Default)]
+struct Gaps {
+    p50: Quantile<500>,
+    p95: Quantile<950>,
+}
+
+impl Gaps {
+    fn add(&mut self, x: f64) {
+        self.p50.add(x);
+        self.p95.add(x);
     }
 }
 
@@ -198,11 +215,51 @@ impl TtftFit {
     }
 }
 
+/// The replica's most recent inter-token gaps, whatever the batch: the share of them over a
+/// target is the share of steps that stalled its streams. A step that carries a prefill chunk
+/// gives every running stream one long gap, so stalls show as a share of gaps; a request keeps
+/// its p95 promise while under 5% of its gaps are stalls.
+#[derive(Debug, Clone)]
+struct RecentGaps {
+    gaps: std::collections::VecDeque<f32>,
+}
+
+impl Default for RecentGaps {
+    fn default() -> Self {
+        RecentGaps {
+            gaps: std::collections::VecDeque::with_capacity(Self::WINDOW),
+        }
+    }
+}
+
+impl RecentGaps {
+    /// About the last few seconds of a busy replica's streams.
+    const WINDOW: usize = 4096;
+    /// Fewer gaps than this say nothing yet.
+    const MIN: usize = 200;
+
+    fn add(&mut self, gap: f64) {
+        if self.gaps.len() == Self::WINDOW {
+            self.gaps.pop_front();
+        }
+        self.gaps.push_back(gap as f32);
+    }
+
+    fn share_over(&self, target: f64) -> Option<f64> {
+        if self.gaps.len() < Self::MIN {
+            return None;
+        }
+        let over = self.gaps.iter().filter(|&&g| f64::from(g) > target).count();
+        Some(over as f64 / self.gaps.len() as f64)
+    }
+}
+
 /// What the gateway has learnt about one replica's speed.
 #[derive(Debug, Clone, Default)]
 pub struct LatencyModel {
     ttft: TtftFit,
-    itl_by_batch: [P95; BATCH_BUCKETS.len()],
+    itl_by_batch: [Gaps; BATCH_BUCKETS.len()],
+    recent: RecentGaps,
 }
 
 impl LatencyModel {
@@ -239,6 +296,12 @@ impl LatencyModel {
     /// An inter-token gap observed while the replica ran `batch` sequences.
     pub fn observe_itl(&mut self, batch: u32, gap: Duration) {
         self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
+        self.recent.add(gap.as_secs_f64());
+    }
+
+    /// Share of the replica's recent gaps over `target` (`None` until enough were seen).
+    pub fn stall_share(&self, target: Duration) -> Option<f64> {
+        self.recent.share_over(target.as_secs_f64())
     }
 
     /// Prefill tokens per second as learnt (the prior until observations move it).
@@ -253,13 +316,22 @@ impl LatencyModel {
         Some(Duration::from_secs_f64(a + b * (ahead + tokens) as f64))
     }
 
-    /// The p95 gap at `batch`: interpolated between the learnt buckets around it, extrapolated
-    /// along the last learnt slope beyond them.
+    /// The decode step (median gap) at `batch`: interpolated between the learnt buckets around
+    /// it, extrapolated along the last learnt slope beyond them. Admission's knee.
     pub fn predict_itl(&self, batch: u32) -> Option<Duration> {
+        self.interpolate(batch, |g| g.p50.q)
+    }
+
+    /// The p95 gap at `batch`, stalls included (reported, not used to hold).
+    pub fn predict_itl_p95(&self, batch: u32) -> Option<Duration> {
+        self.interpolate(batch, |g| g.p95.q)
+    }
+
+    fn interpolate(&self, batch: u32, pick: impl Fn(&Gaps) -> Option<f64>) -> Option<Duration> {
         let known: Vec<(f64, f64)> = BATCH_BUCKETS
             .iter()
             .zip(&self.itl_by_batch)
-            .filter_map(|(&b, e)| e.q.map(|v| (f64::from(b), v)))
+            .filter_map(|(&b, e)| pick(e).map(|v| (f64::from(b), v)))
             .collect();
         let x = f64::from(batch.max(1));
         let y = match known.as_slice() {
@@ -294,12 +366,26 @@ pub struct ReplicaPressure {
     pub preempting: bool,
 }
 
+/// Share of a request's gaps that may exceed the inter-token target under a p95 promise.
+pub const STALL_BUDGET: f64 = 0.05;
+
 /// Why a request may not go to a replica now.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Hold {
-    Ttft { predicted: Duration },
-    Itl { predicted: Duration },
-    KvHighWater { usage: f64 },
+    Ttft {
+        predicted: Duration,
+    },
+    Itl {
+        predicted: Duration,
+    },
+    /// The replica's streams already stall too often, and this request's prefill would stall
+    /// them once more.
+    Stalls {
+        share: f64,
+    },
+    KvHighWater {
+        usage: f64,
+    },
     Preempting,
 }
 
@@ -308,6 +394,7 @@ impl Hold {
         match self {
             Hold::Ttft { .. } => "ttft",
             Hold::Itl { .. } => "itl",
+            Hold::Stalls { .. } => "stalls",
             Hold::KvHighWater { .. } => "kv_high_water",
             Hold::Preempting => "preempting",
         }
@@ -345,6 +432,22 @@ pub fn admissible(
     if let (Some(target), Some(predicted)) = (slo.itl, model.predict_itl(p.running + 1)) {
         if predicted > target {
             return Err(Hold::Itl { predicted });
+        }
+    }
+    // Stalls: the inter-token promise breaks when more than 5% of a stream's gaps carry a
+    // prefill chunk. A request whose own prefill takes longer than the target is one more such
+    // stall for every stream there; while the replica is already over budget it waits, and a
+    // request that is mostly cached (a stall-free prefill) still goes.
+    if let Some(target) = slo.itl {
+        let own_prefill = model.predict_ttft(0, tokens).map_or(Duration::ZERO, |t| {
+            t.saturating_sub(Duration::from_secs_f64(model.ttft_overhead()))
+        });
+        if own_prefill > target {
+            if let Some(share) = model.stall_share(target) {
+                if share > STALL_BUDGET {
+                    return Err(Hold::Stalls { share });
+                }
+            }
         }
     }
     Ok(())
@@ -577,6 +680,41 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_miss_waits_while_the_replicas_streams_stall_too_often() {
+        // Decode steps of 30 ms; one step in twelve carries a 250 ms prefill chunk (8%).
+        let mut m = LatencyModel::default();
+        m.set_prior(4_000.0, 0.02);
+        for i in 0..2000 {
+            let gap = if i % 12 == 0 { 250 * MS } else { 30 * MS };
+            m.observe_itl(16, gap);
+        }
+        let busy = ReplicaPressure {
+            running: 16,
+            ..ReplicaPressure::default()
+        };
+        let slo = Slo {
+            ttft: Some(1000 * MS),
+            itl: Some(150 * MS),
+        };
+        // The decode step (30 ms) is far from the knee, but 8% of gaps stall: a 2,000-token
+        // miss (0.5 s of prefill, one more stall) waits; a mostly cached turn (100 tokens,
+        // 25 ms) goes.
+        match admissible(&m, &busy, 2_000, &slo, 0.9) {
+            Err(Hold::Stalls { share }) => assert!((share - 1.0 / 12.0).abs() < 0.01),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(admissible(&m, &busy, 100, &slo, 0.9), Ok(()));
+        // At 3% stalls the same miss goes.
+        let mut calm = LatencyModel::default();
+        calm.set_prior(4_000.0, 0.02);
+        for i in 0..2000 {
+            let gap = if i % 33 == 0 { 250 * MS } else { 30 * MS };
+            calm.observe_itl(16, gap);
+        }
+        assert_eq!(admissible(&calm, &busy, 2_000, &slo, 0.9), Ok(()));
+    }
+
+    #[test]
     fn what_the_data_shows_beats_the_prior() {
         // The prior says 8k tokens/s; the replica really does 2k.
         let mut m = LatencyModel::default();
@@ -700,23 +838,25 @@ mod tests {
     }
 
     #[test]
-    fn itl_tracks_the_p95_not_the_mean() {
+    fn the_knee_follows_decode_steps_and_the_p95_sees_stalls() {
         // Decode steps of 80 ms, and one step in ten also carries a 600 ms prefill chunk: the
-        // mean is 132 ms, but 10% of gaps are stalls, so the p95 is a stall.
+        // mean is 132 ms, the decode step (median) 80 ms, the p95 a stall.
         let mut m = LatencyModel::default();
         for i in 0..4000 {
             let gap = if i % 10 == 0 { 600 * MS } else { 80 * MS };
             m.observe_itl(16, gap);
         }
-        let p = m.predict_itl(16).unwrap().as_secs_f64();
-        assert!(p > 0.3, "{p}");
+        let p95 = m.predict_itl_p95(16).unwrap().as_secs_f64();
+        assert!(p95 > 0.3, "{p95}");
+        let step = m.predict_itl(16).unwrap().as_secs_f64();
+        assert!((step - 0.08).abs() < 0.01, "{step}");
         // One stall in a hundred stays under the p95.
         let mut m = LatencyModel::default();
         for i in 0..4000 {
             let gap = if i % 100 == 0 { 600 * MS } else { 80 * MS };
             m.observe_itl(16, gap);
         }
-        let p = m.predict_itl(16).unwrap().as_secs_f64();
+        let p = m.predict_itl_p95(16).unwrap().as_secs_f64();
         assert!(p < 0.12, "{p}");
     }
 

@@ -139,9 +139,10 @@ pub struct RouteStats {
 
 /// Every shed reason and hold reason, registered up front so each series exists at 0.
 const SHED_REASONS: [&str; 3] = ["queue_full", "deadline", "timeout"];
-const HOLD_REASONS: [&str; 7] = [
+const HOLD_REASONS: [&str; 8] = [
     "ttft",
     "itl",
+    "stalls",
     "kv_high_water",
     "preempting",
     "concurrency",

@@ -48,6 +48,39 @@ impl Default for GatewayMetrics {
 
 impl GatewayMetrics {
     pub fn new() -> Self {
+        let m = Self::unregistered();
+        // Every bounded label set exists at 0 from the start, so alerts and dashboards see the
+        // series before the first incident.
+        for (name, key, values) in [
+            (
+                "kvgate_gateway_stream_errors_total",
+                "reason",
+                &["upstream_error", "idle_timeout", "replica_ejected", "drain"][..],
+            ),
+            (
+                "kvgate_gateway_auth_failures_total",
+                "port",
+                &["api", "admin"][..],
+            ),
+            (
+                "kvgate_gateway_prompts_refused_total",
+                "stage",
+                &["bytes", "pieces", "exact"][..],
+            ),
+            (
+                "kvgate_gateway_connections_closed_total",
+                "reason",
+                &["header_timeout", "header_too_large", "body_timeout"][..],
+            ),
+        ] {
+            for v in values {
+                let _ = m.counter(name, &[(key, *v)]);
+            }
+        }
+        m
+    }
+
+    fn unregistered() -> Self {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &TIMER_BUCKETS)
             .expect("bucket list is non-empty")

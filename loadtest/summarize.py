@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Summarises a loadtest/sweep.sh folder: for every rate and target, the median and the range
+(min-max) over seeds of goodput, served and shed requests, p50/p95 TTFT and prefix hit ratio,
+and the ratio of each target's goodput to the first target's in the same seed and rate.
+
+    python3 loadtest/summarize.py DIR
+"""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def fmt(values, unit="", digits=2, scale=1.0):
+    v = [x * scale for x in values]
+    med = statistics.median(v)
+    if len(v) == 1:
+        return f"{med:.{digits}f}{unit}"
+    return f"{med:.{digits}f}{unit} [{min(v):.{digits}f}–{max(v):.{digits}f}]"
+
+
+def main(folder: Path) -> None:
+    runs = defaultdict(list)  # (rate, target) -> [run]
+    by_seed = defaultdict(dict)  # (rate, seed) -> {target: goodput}
+    targets, meta = [], None
+    for report in sorted(folder.glob("seed-*-rate-*/report.json")):
+        r = json.loads(report.read_text())
+        meta = meta or r
+        for t in r["targets"]:
+            name = t["name"] if isinstance(t, dict) else t
+            if name not in targets:
+                targets.append(name)
+        for run in r["runs"]:
+            key = (run["rate"], run["target"])
+            runs[key].append(run)
+            by_seed[(run["rate"], r["seed"])][run["target"]] = run["goodput_requests_per_s"]
+    if not runs:
+        sys.exit(f"no seed-*-rate-*/report.json under {folder}")
+    seeds = sorted({s for (_, s) in by_seed})
+    print(f"# Sweep summary: {meta['workload']} workload, seeds {', '.join(map(str, seeds))}")
+    print()
+    slo = meta["slo"]
+    print(
+        f"{meta['duration_s']:.0f} s per run after {meta['warmup_s']:.0f} s warm-up; SLO TTFT "
+        f"{(slo.get('ttft_s') or 0) * 1e3:.0f} ms, inter-token {(slo.get('itl_s') or 0) * 1e3:.0f} ms "
+        f"(p95 per request). Median [min–max] over seeds; every run with fresh processes."
+    )
+    print()
+    base = targets[0]
+    print(
+        "| rate/s | target | goodput/s | "
+        f"goodput ÷ {base} | ok | shed | TTFT p50 ms | TTFT p95 ms | prefix hit |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for rate in sorted({r for (r, _) in runs}):
+        for t in targets:
+            rs = runs.get((rate, t), [])
+            if not rs:
+                continue
+            ratios = [
+                g[t] / g[base]
+                for (rr, _), g in by_seed.items()
+                if rr == rate and t in g and base in g and g[base] > 0
+            ]
+            print(
+                f"| {rate:g} | {t} | {fmt([x['goodput_requests_per_s'] for x in rs])} | "
+                f"{fmt(ratios) if ratios else '-'} | "
+                f"{fmt([x['ok'] for x in rs], digits=0)} | {fmt([x['shed'] for x in rs], digits=0)} | "
+                f"{fmt([x['ttft_s']['p50'] for x in rs if x.get('ttft_s')], digits=0, scale=1e3)} | "
+                f"{fmt([x['ttft_s']['p95'] for x in rs if x.get('ttft_s')], digits=0, scale=1e3)} | "
+                f"{fmt([x['prefix_hit_ratio'] for x in rs], unit='%', digits=1, scale=100)} |"
+            )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "."))

@@ -1,0 +1,443 @@
+#!/usr/bin/env bash
+# The gateway's hostile-client and careless-operator probes, against real processes (release
+# build, sim replicas, one gateway), each printing PASS/FAIL with its measured figure. What
+# docs/RELIABILITY.md reports comes from here.
+#   scripts/chaos.sh [--only NAME[,NAME]] [--soak [MINUTES]] [--out DIR]
+# Cases: big_prompt slowloris fd_exhaustion sigkill_replica sigstop_replica sigterm_drain
+#   empty_policy priority_forgery prompt_list kv_events_token nonstream_cancel admin_token;
+#   --soak adds a run at the knee with the gateway's RSS sampled every 10 s (default 20 min).
+# Env: KVGATE_BIN (default target/release/kvgate, built if missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+only=
+soak=0
+soak_min=20
+out=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --only) only=,${2:?}, ; shift ;;
+    --soak) soak=1; if [[ ${2:-} =~ ^[0-9]+$ ]]; then soak_min=$2; shift; fi ;;
+    --out) out=${2:?}; shift ;;
+    -h | --help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "chaos.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+out=${out:-loadtest/out/chaos-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$out/logs"
+out=$(cd "$out" && pwd)
+logs=$out/logs
+results=$out/results.txt
+: >"$results"
+
+bin=${KVGATE_BIN:-target/release/kvgate}
+if [ -z "${KVGATE_BIN:-}" ] && [ ! -x "$bin" ]; then cargo build --release; fi
+[ -x "$bin" ] || { echo "chaos.sh: no $bin" >&2; exit 1; }
+bin=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
+tokenizer=$root/models/qwen3
+[ -f "$tokenizer/tokenizer.json" ] || ./scripts/fetch-models.sh
+python3 -c 'import openai' 2>/dev/null || python3 -m pip install --quiet openai
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  local p
+  for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done
+  sleep 0.5
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+export KVGATE_FLEET_TOKEN=chaos-fleet-token-$(python3 -c 'import secrets; print(secrets.token_hex(12))')
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+want() { [ -z "$only" ] || [[ $only == *",$1,"* ]]; }
+record() { # NAME PASS|FAIL DETAIL
+  printf '%-18s %s  %s\n' "$1" "$2" "$3" | tee -a "$results"
+}
+rss_kib() { awk '/VmRSS/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+
+# start_replica NAME [ARGS...]: prints "PID ADDR".
+start_replica() {
+  local name=$1
+  shift
+  "$bin" replica --port 0 --replica-id "$name" --tokenizer "$tokenizer" "$@" >"$logs/replica-$name.log" 2>&1 &
+  local pid=$!
+  pids+=("$pid")
+  for _ in $(seq 300); do
+    grep -q 'serving .* at http://' "$logs/replica-$name.log" && break
+    sleep 0.1
+  done
+  echo "$pid $(grep -m1 -o 'at http://[^ ]*' "$logs/replica-$name.log" | cut -c11-)"
+}
+
+# start_gateway NAME REPLICAS_TOML [EXTRA_TOML]: prints "PID PORT ADMIN_PORT".
+start_gateway() {
+  local name=$1 replicas=$2 extra=${3:-} port admin pid
+  port=$(free_port)
+  admin=$(free_port)
+  cat >"$work/$name.toml" <<TOML
+listen = "127.0.0.1:$port"
+admin_listen = "127.0.0.1:$admin"
+replicas = $replicas
+policy_file = "$work/$name-policy.toml"
+[model]
+tokenizer_dir = "$tokenizer"
+[health]
+interval_ms = 200
+timeout_ms = 300
+$extra
+TOML
+  [ -f "$work/$name-policy.toml" ] || cp config/policy.toml "$work/$name-policy.toml"
+  "$bin" gateway --config "$work/$name.toml" >"$logs/gateway-$name.log" 2>&1 &
+  pid=$!
+  pids+=("$pid")
+  for _ in $(seq 300); do
+    curl -sf --max-time 1 "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  echo "$pid $port $admin"
+}
+
+metric() { # ADMIN_PORT NAME_WITH_LABELS → value (sum)
+  curl -s "http://127.0.0.1:$1/metrics" | awk -v n="$2" 'index($0, n) == 1 {s += $NF} END {print s + 0}'
+}
+
+read -r r0_pid r0 < <(start_replica r0)
+read -r r1_pid r1 < <(start_replica r1)
+echo "replicas: $r0 $r1"
+two="[\"$r0\", \"$r1\"]"
+read -r gw_pid gw gw_admin < <(start_gateway main "$two")
+echo "gateway: http://127.0.0.1:$gw (admin $gw_admin), logs in $logs"
+base=http://127.0.0.1:$gw
+
+if want big_prompt; then
+  before=$(rss_kib "$gw_pid")
+  python3 - "$base" >"$work/big.txt" <<'PY'
+import json, sys, time, threading, urllib.request
+base = sys.argv[1]
+text = "the quick brown fox jumps over the lazy dog " * 160000   # ~7 MB
+body = json.dumps({"model": "Qwen3-8B", "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+out = []
+def one():
+    t = time.time()
+    req = urllib.request.Request(base + "/v1/chat/completions", body, {"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=120)
+        code = 200
+    except urllib.error.HTTPError as e:
+        code = e.code
+    out.append((code, time.time() - t))
+ts = [threading.Thread(target=one) for _ in range(4)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(max(d for _, d in out), " ".join(str(c) for c, _ in out))
+PY
+  read -r worst codes <"$work/big.txt"
+  sleep 1
+  after=$(rss_kib "$gw_pid")
+  grown=$(( (after - before) / 1024 ))
+  if [[ "$codes" == "400 400 400 400" ]] && awk -v w="$worst" 'BEGIN {exit !(w < 1.0)}' && [ "$grown" -lt 1024 ]; then
+    record big_prompt PASS "4 x 7 MB prompts: all 400, slowest answer ${worst}s, gateway RSS +${grown} MiB (now $((after / 1024)) MiB)"
+  else
+    record big_prompt FAIL "codes $codes, slowest ${worst}s, RSS +${grown} MiB"
+  fi
+fi
+
+if want slowloris; then
+  python3 - "$gw" >"$work/slow.txt" <<'PY'
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+t = time.time()
+header = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + b"x-pad: " + b"a" * 200
+answer = b""
+s.settimeout(0.05)
+for b in header:
+    try:
+        s.send(bytes([b]))
+    except OSError:
+        break
+    try:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+    except socket.timeout:
+        pass
+    time.sleep(1.0)
+    if time.time() - t > 90:
+        break
+print(round(time.time() - t, 1), answer.split(b"\r\n")[0].decode() or "none")
+PY
+  read -r secs status <"$work/slow.txt"
+  if [[ "$status" == *408* ]] && awk -v s="$secs" 'BEGIN {exit !(s <= 12)}'; then
+    record slowloris PASS "1 byte/s header: cut after ${secs}s with '$status' (header deadline 10 s)"
+  else
+    record slowloris FAIL "after ${secs}s: $status"
+  fi
+fi
+
+if want fd_exhaustion; then
+  # A gateway with a 512-descriptor limit, flooded with 1,500 idle connections.
+  read -r fd_pid fd_port fd_admin < <(ulimit -n 512; start_gateway fd "$two")
+  log_before=$(grep -c "accept failed" "$logs/gateway-fd.log" || true)
+  t0=$(cpu_ticks "$fd_pid")
+  python3 - "$fd_port" "$fd_admin" >"$work/fd.txt" <<'PY'
+import socket, sys, time, urllib.request
+port, admin = int(sys.argv[1]), int(sys.argv[2])
+socks, refused = [], 0
+for i in range(1500):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=1)
+        s.settimeout(0.2)
+        try:
+            if s.recv(64).startswith(b"HTTP/1.1 503"):
+                refused += 1
+        except socket.timeout:
+            pass
+        socks.append(s)
+    except OSError:
+        refused += 1
+time.sleep(3)
+def ok(url):
+    try:
+        return urllib.request.urlopen(url, timeout=3).status == 200
+    except Exception:
+        return False
+admin_ok = ok(f"http://127.0.0.1:{admin}/admin/replicas")
+for s in socks[:200]:
+    s.close()
+time.sleep(1)
+api_ok = ok(f"http://127.0.0.1:{port}/health")
+print(refused, int(admin_ok), int(api_ok))
+PY
+  t1=$(cpu_ticks "$fd_pid")
+  read -r refused admin_ok api_ok <"$work/fd.txt"
+  lines=$(( $(grep -c "accept failed" "$logs/gateway-fd.log" || true) - log_before ))
+  cpu=$(( (t1 - t0) ))
+  if [ "$admin_ok" = 1 ] && [ "$api_ok" = 1 ] && [ "$lines" -lt 20 ]; then
+    record fd_exhaustion PASS "1,500 connections at a 512-fd limit: $refused refused with 503, admin answered, API answered once some closed, $lines 'accept failed' lines, ${cpu} CPU ticks (1/100 s) over the flood"
+  else
+    record fd_exhaustion FAIL "refused $refused, admin_ok $admin_ok, api_ok $api_ok, log lines $lines, cpu ticks $cpu"
+  fi
+  kill "$fd_pid" 2>/dev/null || true
+fi
+
+sdk_stream() { # BASE MAX_TOKENS → prints "ok N" or "error TYPE: MESSAGE"
+  python3 - "$1" "$2" <<'PY'
+import sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none", max_retries=0)
+n = 0
+try:
+    for ch in c.chat.completions.create(model="Qwen3-8B", stream=True, max_tokens=int(sys.argv[2]),
+                                        extra_body={"ignore_eos": True},
+                                        messages=[{"role": "user", "content": "Tell me about KV caches."}]):
+        n += 1
+    print("ok", n)
+except Exception as e:
+    print("error", type(e).__name__ + ":", str(e)[:120].replace("\n", " "))
+PY
+}
+
+if want sigkill_replica; then
+  read -r k_pid k_addr < <(start_replica k --time-scale 4)
+  read -r kg_pid kg kg_admin < <(start_gateway kill "[\"$k_addr\"]")
+  ( sleep 2; kill -9 "$k_pid" ) &
+  res=$(sdk_stream "http://127.0.0.1:$kg" 2000)
+  errs=$(metric "$kg_admin" 'kvgate_gateway_stream_errors_total{reason="upstream_error"}')
+  if [[ "$res" == error* ]] && [ "${errs%.*}" -ge 1 ]; then
+    record sigkill_replica PASS "replica SIGKILLed mid-stream: the OpenAI SDK raised ($res); counted as a stream error"
+  else
+    record sigkill_replica FAIL "$res; stream errors $errs"
+  fi
+  kill "$kg_pid" 2>/dev/null || true
+fi
+
+if want sigstop_replica; then
+  read -r s_pid s_addr < <(start_replica s --time-scale 4)
+  read -r t_pid t_addr < <(start_replica t --time-scale 4)
+  read -r sg_pid sg sg_admin < <(start_gateway stop "[\"$s_addr\", \"$t_addr\"]")
+  printf 'version = "stop"\n[policy]\nkind = "round_robin"\n[[routes]]\nname = "interactive"\nslo = { itl_ms = 50 }\n' >"$work/stop-policy.toml"
+  curl -s -X POST "http://127.0.0.1:$sg_admin/admin/policy/reload" >/dev/null
+  start=$(date +%s.%N)
+  ( sleep 2; kill -STOP "$s_pid" ) &
+  res_a=$(sdk_stream "http://127.0.0.1:$sg" 2000) &
+  res_b=$(sdk_stream "http://127.0.0.1:$sg" 2000)
+  wait
+  # Right after the stall: new requests must not hang on the stopped replica.
+  t1=$(date +%s.%N)
+  news=$(for i in 1 2 3 4; do sdk_stream "http://127.0.0.1:$sg" 5 & done; wait)
+  t2=$(date +%s.%N)
+  kill -CONT "$s_pid"
+  ok_new=$(grep -c '^ok' <<<"$news" || true)
+  stall_s=$(awk -v a="$start" -v b="$t1" 'BEGIN {printf "%.1f", b - a}')
+  new_s=$(awk -v a="$t1" -v b="$t2" 'BEGIN {printf "%.1f", b - a}')
+  if [ "$ok_new" = 4 ] && awk -v s="$stall_s" 'BEGIN {exit !(s < 15)}'; then
+    record sigstop_replica PASS "replica SIGSTOPped mid-stream: streams ended ${stall_s}s after start (2 s in + idle deadline/ejection), 4/4 new requests served in ${new_s}s"
+  else
+    record sigstop_replica FAIL "stall ${stall_s}s, new ok $ok_new in ${new_s}s: $news"
+  fi
+  kill "$sg_pid" 2>/dev/null || true
+fi
+
+if want sigterm_drain; then
+  read -r dg_pid dg dg_admin < <(start_gateway drain "$two")
+  for i in $(seq 20); do sdk_stream "http://127.0.0.1:$dg" 150 >"$work/drain-$i.txt" & done
+  sleep 1.5
+  kill -TERM "$dg_pid"
+  wait $(jobs -p) 2>/dev/null || true
+  code=0
+  wait "$dg_pid" 2>/dev/null || code=$?
+  done_ok=$(cat "$work"/drain-*.txt | grep -c '^ok 1[0-9][0-9]' || true)
+  if [ "$done_ok" = 20 ] && [ "$code" = 0 ]; then
+    record sigterm_drain PASS "SIGTERM with 20 streams in flight: 20/20 finished complete, gateway exited 0"
+  else
+    record sigterm_drain FAIL "$done_ok/20 complete, exit $code: $(cat "$work"/drain-*.txt | sort | uniq -c | tr '\n' ';')"
+  fi
+fi
+
+if want empty_policy; then
+  gen=$(metric "$gw_admin" kvgate_gateway_policy_generation)
+  : >"$work/main-policy.toml"
+  kill -HUP "$gw_pid"
+  sleep 1.5
+  ok=$(metric "$gw_admin" kvgate_gateway_policy_last_reload_ok)
+  version=$(curl -s "http://127.0.0.1:$gw_admin/admin/policy" | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')
+  head -c 300 config/policy.toml >"$work/main-policy.toml"
+  kill -HUP "$gw_pid"
+  sleep 1.5
+  ok2=$(metric "$gw_admin" kvgate_gateway_policy_last_reload_ok)
+  gen2=$(metric "$gw_admin" kvgate_gateway_policy_generation)
+  cp config/policy.toml "$work/main-policy.toml"
+  if [ "${ok%.*}" = 0 ] && [ "${ok2%.*}" = 0 ] && [ "$gen" = "$gen2" ] && [ "$version" = default-1 ]; then
+    record empty_policy PASS "empty and truncated policy files rejected on SIGHUP; version default-1 and generation $gen kept"
+  else
+    record empty_policy FAIL "ok $ok/$ok2, generation $gen -> $gen2, version $version"
+  fi
+fi
+
+if want priority_forgery; then
+  python3 - "$base" >"$work/prio.txt" <<'PY'
+import json, statistics, sys, threading, time, urllib.request
+base = sys.argv[1]
+def ttft(prio, i, out):
+    body = {"model": "Qwen3-8B", "stream": True, "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"question {i} " * 200}]}
+    if prio is not None:
+        body["priority"] = prio
+    req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    t = time.time()
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+                out.append(time.time() - t)
+                break
+forged, honest, ts = [], [], []
+for i in range(60):
+    t = threading.Thread(target=ttft, args=(-1000 if i % 2 else None, i, forged if i % 2 else honest))
+    t.start(); ts.append(t); time.sleep(0.05)
+[t.join() for t in ts]
+print(round(statistics.median(forged), 3), round(statistics.median(honest), 3))
+PY
+  read -r forged honest <"$work/prio.txt"
+  if awk -v f="$forged" -v h="$honest" 'BEGIN {exit !(f >= 0.7 * h)}'; then
+    record priority_forgery PASS "median TTFT with priority -1000 ${forged}s vs ${honest}s without: the field is not forwarded"
+  else
+    record priority_forgery FAIL "forged ${forged}s vs honest ${honest}s"
+  fi
+fi
+
+if want prompt_list; then
+  route=$(python3 - "$base" <<'PY'
+import json, sys, urllib.request
+piece = "alpha beta gamma delta " * 900
+body = {"model": "Qwen3-8B", "prompt": ["hi"] + [piece] * 3, "max_tokens": 1}
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    print(r.headers.get("x-kvgate-route"))
+PY
+)
+  if [ "$route" = long ]; then
+    record prompt_list PASS "a list ['hi', 3 x ~3.6k tokens] took the long route (classified by its ~10.8k total)"
+  else
+    record prompt_list FAIL "route $route"
+  fi
+fi
+
+if want kv_events_token; then
+  none=$(curl -s -o /dev/null -w '%{http_code}' "http://$r0/kv_events")
+  bogus=$(curl -s -o /dev/null -w '%{http_code}' -H 'authorization: Bearer bogus' "http://$r0/kv_events")
+  detok=$(curl -s -o /dev/null -w '%{http_code}' -X POST -d '{"tokens":[1,2]}' "http://$r0/detokenize")
+  flush=$(curl -s -o /dev/null -w '%{http_code}' -X POST "http://$r0/flush_cache")
+  if [ "$none$bogus$detok$flush" = 401401401401 ]; then
+    record kv_events_token PASS "/kv_events, /detokenize, /flush_cache without or with a wrong token: 401"
+  else
+    record kv_events_token FAIL "kv_events $none/$bogus, detokenize $detok, flush $flush"
+  fi
+fi
+
+if want admin_token; then
+  export KVGATE_ADMIN_TOKEN=chaos-admin-token-0123456789
+  read -r ag_pid ag ag_admin < <(start_gateway admintok "$two")
+  unset KVGATE_ADMIN_TOKEN
+  a=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$ag_admin/metrics")
+  b=$(curl -s -o /dev/null -w '%{http_code}' -H 'authorization: Bearer bogus' -X POST "http://127.0.0.1:$ag_admin/admin/policy/reload")
+  c=$(curl -s -o /dev/null -w '%{http_code}' -H 'authorization: Bearer chaos-admin-token-0123456789' "http://127.0.0.1:$ag_admin/admin/policy")
+  if [ "$a$b$c" = 401401200 ]; then
+    record admin_token PASS "admin port: no token 401, bogus token 401, right token 200"
+  else
+    record admin_token FAIL "$a $b $c"
+  fi
+  kill "$ag_pid" 2>/dev/null || true
+fi
+
+if want nonstream_cancel; then
+  read -r n_pid n_addr < <(start_replica n)
+  read -r ng_pid ng ng_admin < <(start_gateway cancel "[\"$n_addr\"]")
+  curl -s --max-time 1 "http://127.0.0.1:$ng/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"essay"}],"max_tokens":8000,"ignore_eos":true}' >/dev/null || true
+  t0=$(date +%s.%N)
+  left=1
+  for _ in $(seq 50); do
+    left=$(curl -s "http://$n_addr/get_load" | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["num_reqs"])')
+    [ "$left" = 0 ] && break
+    sleep 0.1
+  done
+  waited=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+  if [ "$left" = 0 ]; then
+    record nonstream_cancel PASS "unstreamed 8k-token request, client gone after 1 s: the replica stopped it within ${waited}s"
+  else
+    record nonstream_cancel FAIL "still $left requests at the replica ${waited}s later"
+  fi
+  kill "$ng_pid" 2>/dev/null || true
+fi
+
+if [ "$soak" = 1 ]; then
+  read -r sk_pid sk sk_admin < <(start_gateway soak "$two")
+  samples=$out/soak-rss.csv
+  echo "seconds,rss_kib" >"$samples"
+  ( t=0; while kill -0 "$sk_pid" 2>/dev/null; do echo "$t,$(rss_kib "$sk_pid")" >>"$samples"; sleep 10; t=$((t + 10)); done ) &
+  sampler=$!
+  "$bin" bench --target "http://127.0.0.1:$sk" --workload chat --rate "${KVGATE_SOAK_RATE:-6}" \
+    --duration $((soak_min * 60)) --warmup 30 --max-requests 1000000 --no-progress \
+    --slo-ttft-ms 1000 --slo-itl-ms 150 --json-out "$out/soak-report.json" >"$logs/soak-bench.log" 2>&1 || true
+  kill "$sampler" 2>/dev/null || true
+  python3 - "$samples" >>"$results" <<'PY'
+import csv, sys
+rows = [(int(r["seconds"]), int(r["rss_kib"])) for r in csv.DictReader(open(sys.argv[1])) if int(r["rss_kib"]) > 0]
+third = max(1, len(rows) // 3)
+early = sum(r for _, r in rows[third:2 * third]) / max(1, len(rows[third:2 * third]))
+late = sum(r for _, r in rows[2 * third:]) / max(1, len(rows[2 * third:]))
+peak = max(r for _, r in rows)
+verdict = "PASS" if late <= early * 1.10 else "FAIL"
+print(f"{'soak':<18} {verdict}  {len(rows)} samples over {rows[-1][0]} s: RSS middle third {early/1024:.0f} MiB, last third {late/1024:.0f} MiB, peak {peak/1024:.0f} MiB")
+PY
+  tail -1 "$results"
+fi
+
+echo
+echo "results in $results"
+! grep -q ' FAIL ' "$results"
