@@ -494,6 +494,11 @@ pub type Ticket = u64;
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Waiter {
     tokens: u64,
+    /// Its last attempt was held by a limit of the route (concurrency, token budget), or it
+    /// has not tried yet: those behind it wait their turn. A waiter held by its replicas'
+    /// state (TTFT, stalls, knee, KV, preemption) blocks nobody — the requests behind it may
+    /// well be bound for other replicas.
+    route_bound: bool,
 }
 
 /// Waiting requests of one route, in (priority, deadline) order, bounded.
@@ -554,10 +559,42 @@ impl AdmissionQueue {
             });
         }
         let t = self.next.fetch_add(1, Ordering::Relaxed);
-        self.entries
-            .lock()
-            .insert((priority, deadline, t), Waiter { tokens });
+        self.entries.lock().insert(
+            (priority, deadline, t),
+            Waiter {
+                tokens,
+                route_bound: true,
+            },
+        );
         Ok(t)
+    }
+
+    /// Records why `ticket`'s last attempt was held.
+    pub fn set_route_bound(&self, ticket: Ticket, route_bound: bool) {
+        if let Some(w) = self
+            .entries
+            .lock()
+            .iter_mut()
+            .find(|(k, _)| k.2 == ticket)
+            .map(|(_, w)| w)
+        {
+            w.route_bound = route_bound;
+        }
+    }
+
+    /// Whether `ticket` (or, with `None`, a newcomer) may try now: no waiter ahead of it is
+    /// held by the route's own limits.
+    pub fn may_try(&self, ticket: Option<Ticket>) -> bool {
+        let e = self.entries.lock();
+        for (k, w) in e.iter() {
+            if Some(k.2) == ticket {
+                return true;
+            }
+            if w.route_bound {
+                return false;
+            }
+        }
+        true
     }
 
     /// The ticket to try next.
@@ -785,6 +822,26 @@ mod tests {
             ..ReplicaPressure::default()
         };
         assert_eq!(admissible(&m, &idle, 10, &slo(), 0.9), Ok(()));
+    }
+
+    #[test]
+    fn waiters_held_by_their_replica_do_not_block_the_queue() {
+        let q = AdmissionQueue::new(8);
+        let a = q.push(0, 100 * MS, 10, None).unwrap();
+        let b = q.push(0, 200 * MS, 10, None).unwrap();
+        // a has not tried yet: b waits its turn, and so would a newcomer.
+        assert!(q.may_try(Some(a)));
+        assert!(!q.may_try(Some(b)));
+        assert!(!q.may_try(None));
+        // a is held by its replica's stalls: b may try; a newcomer once b has tried too.
+        q.set_route_bound(a, false);
+        assert!(q.may_try(Some(b)));
+        assert!(!q.may_try(None));
+        q.set_route_bound(b, false);
+        assert!(q.may_try(None));
+        // a is held by the route's concurrency limit: first come, first served again.
+        q.set_route_bound(a, true);
+        assert!(!q.may_try(Some(b)));
     }
 
     #[test]

@@ -197,9 +197,12 @@ impl GatewayState {
         let mut held: Vec<(usize, &'static str)> = Vec::new();
         if cfg.admission {
             let h = a.file.admission_headroom;
+            // A route without an inter-token promise (batch work) still may not break the
+            // promise of the routes it shares replicas with: it yields to the strictest.
+            let itl = route.slo.itl.or_else(|| a.strictest_itl(&route.pool));
             let slo = Slo {
                 ttft: route.slo.ttft.map(|t| t.mul_f64(h).saturating_sub(waited)),
-                itl: route.slo.itl.map(|t| t.mul_f64(h)),
+                itl: itl.map(|t| t.mul_f64(h)),
             };
             let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
             for &i in &route.pool {
@@ -326,10 +329,10 @@ impl GatewayState {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let waited = arrived.elapsed();
-            let my_turn = match &place {
-                None => rt.queue.is_empty(),
-                Some(q) => rt.queue.head() == Some(q.ticket),
-            };
+            // First come, first served for the route's own limits; a waiter held by its
+            // replicas' state does not hold up the requests behind it.
+            let my_turn = rt.queue.may_try(place.as_ref().map(|q| q.ticket));
+            let mut held_by: Option<&'static str> = None;
             // The index lookup once per attempt, shared by placement and the deadline check.
             let matched = self.router.matched(p);
             if my_turn {
@@ -355,8 +358,12 @@ impl GatewayState {
                         return Ok(admitted);
                     }
                     Err(Wait::Fail(e)) => return Err(Refusal::Error(e)),
-                    Err(Wait::Hold(reason)) if place.is_none() => rt.stats.held(reason),
-                    Err(Wait::Hold(_)) => {}
+                    Err(Wait::Hold(reason)) => {
+                        if place.is_none() {
+                            rt.stats.held(reason);
+                        }
+                        held_by = Some(reason);
+                    }
                 }
             } else if place.is_none() {
                 rt.stats.held("queue_order");
@@ -381,6 +388,10 @@ impl GatewayState {
                         return Err(Refusal::Shed(shed));
                     }
                 }
+            }
+            if let (Some(q), Some(reason)) = (&place, held_by) {
+                rt.queue
+                    .set_route_bound(q.ticket, matches!(reason, "concurrency" | "token_budget"));
             }
             let shed = if waited >= timeout {
                 Some(Shed::Timeout {

@@ -48,6 +48,15 @@ impl ActivePolicy {
         &self.routes[self.file.classify(prompt_tokens, priority)]
     }
 
+    /// The tightest inter-token promise among routes whose pool shares a replica with `pool`.
+    pub fn strictest_itl(&self, pool: &[usize]) -> Option<Duration> {
+        self.routes
+            .iter()
+            .filter(|r| r.pool.iter().any(|i| pool.contains(i)))
+            .filter_map(|r| r.slo.itl)
+            .min()
+    }
+
     /// The longest prompt some route accepts (`None`: one has no limit of its own).
     pub fn max_prompt_tokens(&self) -> Option<usize> {
         self.routes
