@@ -134,6 +134,11 @@ impl PolicyStore {
         }
     }
 
+    /// The replica list in force, in the gateway file's order.
+    pub fn replica_names(&self) -> Vec<String> {
+        self.names()
+    }
+
     fn names(&self) -> Vec<String> {
         self.replicas
             .lock()

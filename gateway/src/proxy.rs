@@ -450,6 +450,9 @@ impl GatewayState {
         let result = config::GatewayConfig::from_toml(&text)
             .map_err(|e| format!("{}: {e}", path.display()))
             .and_then(|cfg| {
+                if self.policies.replica_names() == cfg.replicas {
+                    return Ok(false);
+                }
                 self.policies.check_replicas(&cfg.replicas).map_err(|e| {
                     format!("the active policy does not fit the new replica list: {e}")
                 })?;
