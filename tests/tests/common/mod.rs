@@ -166,11 +166,25 @@ pub async fn start_gateway(
     replicas: &[&Replica],
     adjust: impl FnOnce(&mut config::GatewayConfig),
 ) -> Gateway {
-    let mut cfg =
-        config::GatewayConfig::with_replicas(replicas.iter().map(|r| r.host_port()).collect());
+    let addrs: Vec<String> = replicas.iter().map(|r| r.host_port()).collect();
+    start_gateway_at(&addrs, |c| {
+        c.index.kv_events = true;
+        adjust(c)
+    })
+    .await
+}
+
+/// A gateway in front of replicas given by address (fakes included), health checks every
+/// 100 ms, load polled every 50 ms, KV events off unless `adjust` turns them on.
+pub async fn start_gateway_at(
+    addrs: &[String],
+    adjust: impl FnOnce(&mut config::GatewayConfig),
+) -> Gateway {
+    let mut cfg = config::GatewayConfig::with_replicas(addrs.to_vec());
     cfg.model.tokenizer_dir = Some(tokenizer_dir().display().to_string());
     cfg.health.interval_ms = 100;
     cfg.upstream.load_poll_ms = 50;
+    cfg.index.kv_events = false;
     cfg.auth.fleet_token = Some(FLEET_TOKEN.into());
     adjust(&mut cfg);
     cfg.validate().unwrap();
@@ -341,40 +355,6 @@ impl FakeReplica {
 
     pub fn bodies(&self) -> Vec<Value> {
         self.bodies.lock().unwrap().clone()
-    }
-}
-
-/// A gateway in front of replicas given by address (fakes), health checks every 100 ms.
-pub async fn start_gateway_at(
-    addrs: &[String],
-    adjust: impl FnOnce(&mut config::GatewayConfig),
-) -> Gateway {
-    let mut cfg = config::GatewayConfig::with_replicas(addrs.to_vec());
-    cfg.model.tokenizer_dir = Some(tokenizer_dir().display().to_string());
-    cfg.health.interval_ms = 100;
-    cfg.upstream.load_poll_ms = 50;
-    cfg.index.kv_events = false;
-    adjust(&mut cfg);
-    cfg.validate().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let server = gateway::build_gateway(cfg, listener, admin).await.unwrap();
-    let base = format!("http://{}", server.local_addr());
-    let admin = format!("http://{}", server.admin_addr());
-    let state = server.state();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = stopped.await;
-    }));
-    let client = reqwest::Client::new();
-    wait_ready(&client, &base, "gateway").await;
-    Gateway {
-        base,
-        admin,
-        client,
-        state,
-        stop: Some(stop),
-        task: Some(task),
     }
 }
 
