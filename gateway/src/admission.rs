@@ -494,10 +494,10 @@ pub type Ticket = u64;
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Waiter {
     tokens: u64,
-    /// Its last attempt was held by a limit of the route (concurrency, token budget), or it
-    /// has not tried yet: those behind it wait their turn. A waiter held by its replicas'
-    /// state (TTFT, stalls, knee, KV, preemption) blocks nobody — the requests behind it may
-    /// well be bound for other replicas.
+    /// Its last attempt found no room in the route (its limits, or no admissible replica in
+    /// its pool), or it has not tried yet: those behind it wait their turn. A waiter that only
+    /// waits for its preferred replica (affinity patience) blocks nobody — the requests behind
+    /// it may well be bound for other replicas.
     route_bound: bool,
 }
 

@@ -156,7 +156,13 @@ pub enum Refusal {
 }
 
 enum Wait {
-    Hold(&'static str),
+    /// Not now, and why. `blocking`: the route as a whole has no room (its limits, or no
+    /// admissible replica in its pool), so those behind wait their turn; otherwise only this
+    /// request's preferred replica is busy (affinity patience) and others may go ahead.
+    Hold {
+        reason: &'static str,
+        blocking: bool,
+    },
     Fail(ApiError),
 }
 
@@ -179,13 +185,19 @@ impl GatewayState {
     ) -> Result<RouteDecision, Wait> {
         let (cfg, rt) = (&route.cfg, &route.rt);
         if cfg.max_concurrency.is_some_and(|m| rt.in_flight() >= m) {
-            return Err(Wait::Hold("concurrency"));
+            return Err(Wait::Hold {
+                reason: "concurrency",
+                blocking: true,
+            });
         }
         // A single request larger than the whole budget still goes, alone.
         if cfg.max_prompt_tokens_in_flight.is_some_and(|b| {
             rt.in_flight() > 0 && rt.in_flight_tokens() + p.prompt_tokens as u64 > b
         }) {
-            return Err(Wait::Hold("token_budget"));
+            return Err(Wait::Hold {
+                reason: "token_budget",
+                blocking: true,
+            });
         }
         let registry = &self.router.registry;
         let replicas = registry.replicas();
@@ -248,7 +260,10 @@ impl GatewayState {
                         .map(|&i| matched[i])
                         .max();
                     if best_admissible.is_some_and(|b| b < matched[pref.replica]) {
-                        return Err(Wait::Hold(why));
+                        return Err(Wait::Hold {
+                            reason: why,
+                            blocking: false,
+                        });
                     }
                 }
             }
@@ -259,7 +274,10 @@ impl GatewayState {
         {
             Ok(d) => Ok(d),
             Err(e) => match hold {
-                Some(h) => Err(Wait::Hold(h)),
+                Some(h) => Err(Wait::Hold {
+                    reason: h,
+                    blocking: true,
+                }),
                 None => Err(Wait::Fail(e)),
             },
         }
@@ -329,13 +347,16 @@ impl GatewayState {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let waited = arrived.elapsed();
-            // First come, first served for the route's own limits; a waiter held by its
-            // replicas' state does not hold up the requests behind it.
+            // First come, first served while the route has no room; a waiter that only waits
+            // for its preferred replica does not hold up the requests behind it.
             let my_turn = rt.queue.may_try(place.as_ref().map(|q| q.ticket));
-            let mut held_by: Option<&'static str> = None;
+            let mut held_by: Option<bool> = None;
             // The index lookup once per attempt, shared by placement and the deadline check.
             let matched = self.router.matched(p);
             if my_turn {
+                // Deciding and reserving (pending prefill, route counts) is one step per
+                // gateway: waiters woken together must not all admit against the same state.
+                let _serial = self.dispatch_lock.lock();
                 match self.try_dispatch(a, route, p, &matched, waited) {
                     Ok(d) => {
                         self.router
@@ -358,11 +379,11 @@ impl GatewayState {
                         return Ok(admitted);
                     }
                     Err(Wait::Fail(e)) => return Err(Refusal::Error(e)),
-                    Err(Wait::Hold(reason)) => {
+                    Err(Wait::Hold { reason, blocking }) => {
                         if place.is_none() {
                             rt.stats.held(reason);
                         }
-                        held_by = Some(reason);
+                        held_by = Some(blocking);
                     }
                 }
             } else if place.is_none() {
@@ -389,9 +410,8 @@ impl GatewayState {
                     }
                 }
             }
-            if let (Some(q), Some(reason)) = (&place, held_by) {
-                rt.queue
-                    .set_route_bound(q.ticket, matches!(reason, "concurrency" | "token_budget"));
+            if let (Some(q), Some(blocking)) = (&place, held_by) {
+                rt.queue.set_route_bound(q.ticket, blocking);
             }
             let shed = if waited >= timeout {
                 Some(Shed::Timeout {

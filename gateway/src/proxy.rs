@@ -55,6 +55,8 @@ pub struct GatewayState {
     pub max_request_prompt_tokens: usize,
     /// `model.max_model_len` from the gateway file.
     pub model_len_override: Option<usize>,
+    /// Serialises admission decisions with their reservations (`dispatch.rs`).
+    pub dispatch_lock: parking_lot::Mutex<()>,
     /// The gateway file and the hash of its text last seen, for replica-list reloads.
     pub gateway_file: Option<(std::path::PathBuf, parking_lot::Mutex<Option<u64>>)>,
 }

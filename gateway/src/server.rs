@@ -139,6 +139,7 @@ pub async fn build_gateway(
         tokenize_wait: Duration::from_millis(d.tokenize_queue_timeout_ms),
         max_request_prompt_tokens: d.max_request_prompt_tokens,
         model_len_override: cfg.model.max_model_len,
+        dispatch_lock: parking_lot::Mutex::new(()),
         gateway_file: cfg
             .config_path
             .clone()

@@ -338,7 +338,17 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
     let reps = [start_replica(|_| {}).await];
     let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |_| {}).await;
     let before = gw.admin_json("/admin/replicas").await;
-    assert!(before[0]["learnt"]["prefill_tokens_per_s"].is_null());
+    // Before any stream: the replica's own estimate (from /server_info) is the prior.
+    let own: Value = reps[0].get_json("/server_info").await;
+    let prior = before[0]["learnt"]["prefill_tokens_per_s"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (prior - own["prefill_tokens_per_s"].as_f64().unwrap()).abs() < 1.0,
+        "{before} {own}"
+    );
+    assert_eq!(before[0]["learnt"]["ttft_observations"], 0);
+    assert!(before[0]["learnt"]["itl_ms_batch_1"].is_null());
     let r = gw
         .post(
             "/v1/chat/completions",
@@ -353,5 +363,6 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
         learnt["prefill_tokens_per_s"].as_f64().unwrap() > 0.0,
         "{after}"
     );
+    assert_eq!(learnt["ttft_observations"], 1, "{after}");
     assert!(learnt["itl_ms_batch_1"].as_f64().unwrap() > 0.0, "{after}");
 }
