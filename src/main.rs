@@ -32,6 +32,9 @@ enum Command {
     Gateway(GatewayArgs),
     /// Start a gateway and N sim replicas on free ports, on the default model files.
     Up(UpArgs),
+    /// Write a GGUF file's tokenizer as tokenizer.json + tokenizer_config.json (for tools that
+    /// want a tokenizer folder; kvgate itself reads the GGUF file directly).
+    ExportTokenizer(ExportTokenizerArgs),
     /// Open-loop load test of OpenAI endpoints: rate sweeps, several targets interleaved, goodput
     /// against an SLO, oracle hit ratio, JSON + Markdown report and plots.
     Bench(BenchArgs),
@@ -99,6 +102,45 @@ struct BenchArgs {
 }
 
 #[derive(Args)]
+struct ExportTokenizerArgs {
+    /// The GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Folder to write tokenizer.json and tokenizer_config.json into (created if needed).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn run_export_tokenizer(a: ExportTokenizerArgs) -> Result<()> {
+    let header = protocol::gguf::GgufHeader::open(&a.model)?;
+    let (tokenizer, config) = protocol::gguf_tokenizer::tokenizer_files(&header)?;
+    std::fs::create_dir_all(&a.out)
+        .with_context(|| format!("cannot create {}", a.out.display()))?;
+    for (name, doc) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", config),
+    ] {
+        let path = a.out.join(name);
+        std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    // Prove the folder loads and agrees with the file before saying so.
+    let from_dir = protocol::tokenizer::TextTokenizer::from_dir(&a.out)?;
+    let from_file = protocol::tokenizer::TextTokenizer::from_gguf(&a.model)?;
+    let probe = "Hello, world! 12345 <|im_start|>user";
+    if from_dir.encode(probe, true)? != from_file.encode(probe, true)? {
+        bail!("the exported tokenizer does not encode like the GGUF file's");
+    }
+    println!(
+        "wrote {} and {} ({} tokens)",
+        a.out.join("tokenizer.json").display(),
+        a.out.join("tokenizer_config.json").display(),
+        from_dir.vocab_size()
+    );
+    Ok(())
+}
+
+#[derive(Args)]
 struct GatewayArgs {
     /// The gateway file (see config/gateway.toml).
     #[arg(long, default_value = "config/gateway.toml")]
@@ -111,16 +153,21 @@ struct GatewayArgs {
 
 #[derive(Args)]
 struct UpArgs {
-    /// Number of sim replicas.
-    #[arg(long, default_value_t = 4)]
-    replicas: usize,
+    /// Replica backend: sim (4 simulated replicas) or cpu (2 replicas of a real model, the
+    /// machine's cores split between them).
+    #[arg(long, default_value = "sim")]
+    backend: String,
+    /// Number of replicas (default: 4 for sim, 2 for cpu).
+    #[arg(long)]
+    replicas: Option<usize>,
     /// Gateway port (0: any free port).
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Admin/metrics port (0: any free port).
     #[arg(long, default_value_t = 9090)]
     admin_port: u16,
-    /// Replica model profile.
+    /// Replica model: a profile for sim; for cpu a GGUF file or Hugging Face folder
+    /// (default: models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf).
     #[arg(long, default_value = "qwen3-8b")]
     model: String,
     /// Replica GPU profile.
@@ -134,7 +181,8 @@ struct UpArgs {
     /// consistent_hash, session or prefix_aware.
     #[arg(long)]
     policy: Option<String>,
-    /// Folder with tokenizer.json and tokenizer_config.json (default: models/qwen3).
+    /// Folder with tokenizer.json and tokenizer_config.json, or a GGUF file (default:
+    /// models/qwen3 for sim, the model's own for cpu).
     #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     tokenizer: Option<PathBuf>,
     /// Extra flags for every replica, e.g. --replica-arg=--time-scale=0.1
@@ -166,9 +214,17 @@ struct ModelArgs {
 
 #[derive(Args)]
 struct ReplicaArgs {
-    /// Engine backend: sim (the real scheduler, roofline-timed steps). cpu and cuda are not built yet.
+    /// Engine backend: sim (the real scheduler, roofline-timed steps) or cpu (a real Llama
+    /// model from a GGUF file or Hugging Face folder given by --model). cuda is not built yet.
     #[arg(long, default_value = "sim")]
     backend: String,
+    /// cpu backend: compute threads (default: every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// cpu backend: KV cache size in MiB (unless --num-gpu-blocks is given); resident memory
+    /// grows as blocks are first used.
+    #[arg(long, default_value_t = 512)]
+    kv_cache_mib: usize,
     #[command(flatten)]
     model: ModelArgs,
     /// Address to listen on.
@@ -177,10 +233,11 @@ struct ReplicaArgs {
     /// Port to listen on (0 picks a free one and prints it).
     #[arg(long, default_value_t = 8001)]
     port: u16,
-    /// Folder with tokenizer.json and tokenizer_config.json (default: models/qwen3).
+    /// Folder with tokenizer.json and tokenizer_config.json, or a GGUF file (default: the
+    /// model's own for --backend cpu, models/qwen3 for sim).
     #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     tokenizer: Option<PathBuf>,
-    /// Model name clients send; defaults to the profile's name.
+    /// Model name clients send; defaults to the profile's name (sim) or the file's (cpu).
     #[arg(long)]
     served_model_name: Option<String>,
     /// Identifier in the x-kvgate-replica header and metrics (default: replica-<port>).
@@ -244,9 +301,22 @@ fn roofline(m: &ModelArgs) -> Result<Roofline> {
 async fn run_replica(a: ReplicaArgs) -> Result<()> {
     let backend = BackendKind::parse(&a.backend)
         .ok_or_else(|| anyhow!("--backend must be sim, cpu or cuda, got `{}`", a.backend))?;
-    let tokenizer_dir = match a.tokenizer {
-        Some(d) => d,
-        None => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
+    let mut model = a.model.model.clone();
+    if backend == BackendKind::Cpu && !std::path::Path::new(&model).exists() {
+        if model != "qwen3-8b" {
+            bail!("--model {model}: no such file or folder (the cpu backend takes a GGUF file or a Hugging Face folder)");
+        }
+        model = default_model_file()
+            .ok_or_else(|| {
+                anyhow!("no model given and the default ({DEFAULT_MODEL_FILE}) is missing: run scripts/fetch-models.sh or pass --model FILE")
+            })?
+            .display()
+            .to_string();
+    }
+    let tokenizer_dir = match (a.tokenizer, backend) {
+        (Some(d), _) => d,
+        (None, BackendKind::Cpu) => PathBuf::from(&model),
+        (None, _) => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
             anyhow!("no tokenizer found: run scripts/fetch-models.sh or pass --tokenizer DIR")
         })?,
     };
@@ -259,7 +329,9 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     let mut cfg = ReplicaConfig::new(tokenizer_dir);
     cfg.replica_id = a.replica_id.unwrap_or_else(|| format!("replica-{port}"));
     cfg.backend = backend;
-    cfg.model = a.model.model;
+    cfg.model = model;
+    cfg.threads = a.threads;
+    cfg.kv_cache_mib = a.kv_cache_mib;
     cfg.served_model_name = a.served_model_name;
     cfg.gpu = a.model.gpu;
     cfg.block_size = a.block_size;
@@ -462,17 +534,35 @@ async fn serve_gateway(
     Ok(())
 }
 
-/// The default model files, fetched first (scripts/fetch-models.sh, checksummed) when they
-/// are missing and the script is at hand: `kvgate up` needs no step before it.
-fn default_files_or_fetch() -> Result<PathBuf> {
-    if let Some(d) =
-        protocol::tokenizer::default_tokenizer_dir().filter(|d| d.join("tokenizer.json").exists())
-    {
-        return Ok(d);
-    }
-    let mut roots = vec![std::env::current_dir()?];
+/// The default real model for the cpu backend, relative to the checkout.
+const DEFAULT_MODEL_FILE: &str = "models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where a checkout's files may be: the working directory and the binary's ancestors.
+fn checkout_roots() -> Vec<PathBuf> {
+    let mut roots: Vec<PathBuf> = std::env::current_dir().into_iter().collect();
     if let Ok(exe) = std::env::current_exe() {
         roots.extend(exe.ancestors().skip(1).take(4).map(PathBuf::from));
+    }
+    roots
+}
+
+/// The default real model, when it has been fetched.
+fn default_model_file() -> Option<PathBuf> {
+    checkout_roots()
+        .into_iter()
+        .map(|r| r.join(DEFAULT_MODEL_FILE))
+        .find(|p| p.is_file())
+}
+
+/// The checkout root holding the default model files (the Qwen3 tokenizer and the SmolLM2
+/// model), fetched first (scripts/fetch-models.sh, checksummed) when they are missing and the
+/// script is at hand: `kvgate up` needs no step before it.
+fn default_files_or_fetch() -> Result<PathBuf> {
+    let roots = checkout_roots();
+    if let Some(r) = roots.iter().find(|r| {
+        r.join("models/qwen3/tokenizer.json").is_file() && r.join(DEFAULT_MODEL_FILE).is_file()
+    }) {
+        return Ok(r.clone());
     }
     let script = roots
         .iter()
@@ -492,13 +582,16 @@ fn default_files_or_fetch() -> Result<PathBuf> {
     if !status.success() {
         bail!("scripts/fetch-models.sh failed ({status}); see its output above");
     }
-    let dir = script
+    let root = script
         .parent()
         .and_then(|p| p.parent())
-        .map(|root| root.join("models/qwen3"))
-        .filter(|d| d.join("tokenizer.json").exists())
-        .ok_or_else(|| anyhow!("scripts/fetch-models.sh ran but models/qwen3 is still missing"))?;
-    Ok(dir)
+        .filter(|r| {
+            r.join("models/qwen3/tokenizer.json").is_file() && r.join(DEFAULT_MODEL_FILE).is_file()
+        })
+        .ok_or_else(|| {
+            anyhow!("scripts/fetch-models.sh ran but the model files are still missing")
+        })?;
+    Ok(root.to_path_buf())
 }
 
 /// A random token for `kvgate up`'s fleet (its replicas and its gateway share it).
@@ -516,29 +609,34 @@ fn random_token() -> Result<String> {
 /// this process, however it ends.
 async fn start_replicas(
     a: &UpArgs,
-    tokenizer: &std::path::Path,
+    fleet: &Fleet,
     fleet_token: &str,
 ) -> Result<Vec<(tokio::process::Child, String)>> {
     use tokio::io::AsyncBufReadExt;
     let exe = std::env::current_exe().context("cannot find the kvgate binary")?;
     let mut starting = Vec::new();
-    for i in 0..a.replicas {
+    for i in 0..fleet.replicas {
         let mut cmd = tokio::process::Command::new(&exe);
-        cmd.args([
-            "replica", "--port", "0", "--model", &a.model, "--gpu", &a.gpu,
-        ])
-        .arg("--replica-id")
-        .arg(format!("replica-{i}"))
-        .arg("--tokenizer")
-        .arg(tokenizer)
-        .arg("--exit-with-stdin")
-        // Only the gateway may reach them: internal endpoints and /v1/* need the fleet token.
-        .arg("--restrict-api")
-        .env(gateway::auth::FLEET_TOKEN_ENV, fleet_token)
-        .args(&a.replica_args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true);
+        cmd.args(["replica", "--port", "0", "--backend", fleet.backend])
+            .arg("--model")
+            .arg(&fleet.model)
+            .args(["--gpu", &a.gpu]);
+        if let Some(t) = fleet.threads {
+            cmd.arg("--threads").arg(t.to_string());
+        }
+        let tokenizer = &fleet.tokenizer;
+        cmd.arg("--replica-id")
+            .arg(format!("replica-{i}"))
+            .arg("--tokenizer")
+            .arg(tokenizer)
+            .arg("--exit-with-stdin")
+            // Only the gateway may reach them: internal endpoints and /v1/* need the fleet token.
+            .arg("--restrict-api")
+            .env(gateway::auth::FLEET_TOKEN_ENV, fleet_token)
+            .args(&a.replica_args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
         // Their own process group: a terminal's Ctrl-C reaches only `kvgate up`, which drains
         // the gateway first and then stops the replicas.
         #[cfg(unix)]
@@ -550,9 +648,9 @@ async fn start_replicas(
     let mut out = Vec::new();
     for (i, (child, mut lines)) in starting.into_iter().enumerate() {
         let addr = loop {
-            let line = tokio::time::timeout(std::time::Duration::from_secs(120), lines.next_line())
+            let line = tokio::time::timeout(std::time::Duration::from_secs(300), lines.next_line())
                 .await
-                .with_context(|| format!("replica-{i} did not start within 120 s"))??
+                .with_context(|| format!("replica-{i} did not start within 300 s"))??
                 .ok_or_else(|| {
                     anyhow!("replica-{i} exited before it was ready (see its log above)")
                 })?;
@@ -567,14 +665,78 @@ async fn start_replicas(
     Ok(out)
 }
 
-async fn run_up(a: UpArgs) -> Result<()> {
-    if a.replicas == 0 || a.replicas > 64 {
-        bail!("--replicas must be between 1 and 64");
+/// What `kvgate up` starts.
+struct Fleet {
+    backend: &'static str,
+    replicas: usize,
+    model: String,
+    tokenizer: PathBuf,
+    served_model_name: String,
+    /// Compute threads per replica (cpu).
+    threads: Option<usize>,
+}
+
+fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
+    let backend = BackendKind::parse(&a.backend)
+        .ok_or_else(|| anyhow!("--backend must be sim or cpu, got `{}`", a.backend))?;
+    match backend {
+        BackendKind::Sim => {
+            let replicas = a.replicas.unwrap_or(4);
+            if replicas == 0 || replicas > 64 {
+                bail!("--replicas must be between 1 and 64");
+            }
+            let tokenizer = match &a.tokenizer {
+                Some(d) => d.clone(),
+                None => default_files_or_fetch()?.join("models/qwen3"),
+            };
+            Ok(Fleet {
+                backend: "sim",
+                replicas,
+                model: a.model.clone(),
+                tokenizer,
+                served_model_name: served_model_name(&a.model),
+                threads: None,
+            })
+        }
+        BackendKind::Cpu => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let replicas = a.replicas.unwrap_or(2);
+            if replicas == 0 || replicas > cores.max(2) * 4 {
+                bail!(
+                    "--replicas must be between 1 and {} on this machine",
+                    cores.max(2) * 4
+                );
+            }
+            let model = if a.model == "qwen3-8b" {
+                default_files_or_fetch()?.join(DEFAULT_MODEL_FILE)
+            } else {
+                PathBuf::from(&a.model)
+            };
+            if !model.exists() {
+                bail!("--model {}: no such file or folder", model.display());
+            }
+            let tokenizer = a.tokenizer.clone().unwrap_or_else(|| model.clone());
+            let served_model_name = model
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into());
+            Ok(Fleet {
+                backend: "cpu",
+                replicas,
+                model: model.display().to_string(),
+                tokenizer,
+                served_model_name,
+                // Real replicas split the cores rather than fight over them.
+                threads: Some((cores / replicas).max(1)),
+            })
+        }
+        BackendKind::Cuda => bail!("the cuda backend is not built yet; use --backend sim or cpu"),
     }
-    let tokenizer = match &a.tokenizer {
-        Some(d) => d.clone(),
-        None => default_files_or_fetch()?,
-    };
+}
+
+async fn run_up(a: UpArgs) -> Result<()> {
+    let fleet = plan_fleet(&a)?;
+    let tokenizer = fleet.tokenizer.clone();
     let policy = a
         .policy
         .as_ref()
@@ -587,7 +749,7 @@ async fn run_up(a: UpArgs) -> Result<()> {
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let children = tokio::select! {
-        r = start_replicas(&a, &tokenizer, &fleet_token) => r?,
+        r = start_replicas(&a, &fleet, &fleet_token) => r?,
         _ = &mut shutdown => {
             println!("interrupted while starting replicas; stopping them");
             return Ok(());
@@ -599,7 +761,7 @@ async fn run_up(a: UpArgs) -> Result<()> {
     cfg.listen = format!("127.0.0.1:{}", a.port);
     cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
     cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
-    cfg.model.name = served_model_name(&a.model);
+    cfg.model.name = fleet.served_model_name.clone();
     cfg.auth.fleet_token = Some(fleet_token);
     match &a.policy_file {
         Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
@@ -793,6 +955,7 @@ fn main() -> Result<()> {
             .enable_all()
             .build()?
             .block_on(run_bench(a)),
+        Command::ExportTokenizer(a) => run_export_tokenizer(a),
         Command::Capacity(a) => {
             if a.context == 0 {
                 bail!("--context must be positive");

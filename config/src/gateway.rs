@@ -24,7 +24,8 @@ pub struct ModelConfig {
     /// The model name clients send and replicas serve (part of every block hash's root).
     #[serde(default = "default_model")]
     pub name: String,
-    /// Folder with tokenizer.json and tokenizer_config.json (the replicas' files).
+    /// Folder with tokenizer.json and tokenizer_config.json, or the replicas' GGUF model file
+    /// (its tokenizer metadata).
     #[serde(default)]
     pub tokenizer_dir: Option<String>,
     /// Replicas' KV block size in tokens.

@@ -74,7 +74,7 @@ pub async fn build_gateway(
         None => protocol::tokenizer::default_tokenizer_dir().ok_or(GatewayError::NoTokenizer)?,
     };
     let shown = dir.display().to_string();
-    let tokenizer = tokio::task::spawn_blocking(move || TextTokenizer::from_dir(&dir))
+    let tokenizer = tokio::task::spawn_blocking(move || TextTokenizer::from_path(&dir))
         .await
         .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?
         .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?;

@@ -1,5 +1,28 @@
-//! CUDA kernels for the replica's `cuda` backend, compiled at run time through cudarc's NVRTC
-//! and checked against the CPU reference. Every `unsafe` block here carries a `// SAFETY:` line.
+//! The math of kvgate's engine. The CPU reference kernels live here in plain Rust (with AVX2
+//! paths chosen at run time where they pay); the replica's model code calls them, and the CUDA
+//! kernels that follow are checked against them.
 //!
-//! Not built yet: the `sim` backend comes first; this crate stays empty until the `cuda`
-//! backend lands so that nothing pretends to run on a GPU.
+//! Determinism is a contract, not an accident: every output element is computed by the same
+//! sequence of floating-point operations whatever else is in the batch and whichever SIMD path
+//! runs. A token's key, value and logits therefore do not depend on which other sequences
+//! shared its step, how its prompt was chunked, or whether its prefix came from the cache —
+//! the property the replica's prefix-reuse and batch-invariance detectors check bit for bit.
+//! Threads split work over output rows (never over a reduction), so the thread count does not
+//! change results either.
+//!
+//! - [`quant`]: the GGML block formats (Q4_0, Q4_1, Q8_0), F16/BF16, dequantisation and the
+//!   activation quantisation the quantised dot products use.
+//! - [`dot`]: block dot products, scalar reference and AVX2.
+//! - [`matrix`]: weight matrices and the threaded `x · Wᵀ`.
+//! - [`ops`]: RMSNorm, RoPE, SwiGLU, softmax.
+//! - [`attention`]: the paged KV cache and attention over a sequence's blocks.
+
+pub mod attention;
+pub mod dot;
+pub mod matrix;
+pub mod ops;
+pub mod quant;
+
+pub use attention::{AttentionShape, PagedKvCache};
+pub use matrix::{matmul, Activations, Matrix, MatrixError};
+pub use quant::Format;

@@ -7,9 +7,12 @@
 pub mod auth;
 pub mod chat_template;
 pub mod error;
+pub mod gguf;
+pub mod gguf_tokenizer;
 pub mod hashing;
 pub mod kv_events;
 pub mod openai;
+pub mod openai_fields;
 pub mod segment_cache;
 pub mod sse;
 pub mod token_bound;

@@ -68,6 +68,9 @@ pub struct SamplingFields {
     pub temperature: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f32>,
+    /// vLLM extension: sample from the k most likely tokens only (0 or -1: off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -111,6 +114,14 @@ impl SamplingFields {
                     ApiError::invalid_request(format!("top_p must be in (0, 1], got {p}"))
                         .with_param("top_p"),
                 );
+            }
+        }
+        if let Some(k) = self.top_k {
+            if k < -1 {
+                return Err(ApiError::invalid_request(format!(
+                    "top_k must be -1 or 0 (off) or a positive number of tokens, got {k}"
+                ))
+                .with_param("top_k"));
             }
         }
         if let Some(Stop::Many(v)) = &self.stop {
@@ -380,6 +391,9 @@ pub struct AssistantMessage {
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
+    /// `{"content": [{token, logprob, bytes, top_logprobs}]}` when the request asked for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Value>,
     pub finish_reason: Option<String>,
 }
 
@@ -405,6 +419,8 @@ pub struct ChatDelta {
 pub struct ChatChunkChoice {
     pub index: u32,
     pub delta: ChatDelta,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Value>,
     pub finish_reason: Option<String>,
 }
 

@@ -69,6 +69,16 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
+/// The only `.gguf` file in `dir`, if there is exactly one.
+fn single_gguf(dir: &Path) -> Option<PathBuf> {
+    let mut found = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"));
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
+}
+
 /// `bos_token` / `eos_token` appear either as a string or as an AddedToken object.
 fn special_token(config: &Value, key: &str) -> Option<String> {
     match config.get(key)? {
@@ -94,6 +104,37 @@ fn chat_template_source(config: &Value) -> Option<String> {
 }
 
 impl TextTokenizer {
+    /// Loads a tokenizer from a model path: a GGUF file (its `tokenizer.ggml.*` metadata), a
+    /// folder with `tokenizer.json` (and optionally `tokenizer_config.json`), or a folder that
+    /// holds exactly one `.gguf` file and no `tokenizer.json`.
+    pub fn from_path(path: &Path) -> Result<Self, TokenizerError> {
+        if path.is_file() {
+            return Self::from_gguf(path);
+        }
+        if !path.join("tokenizer.json").exists() {
+            if let Some(g) = single_gguf(path) {
+                return Self::from_gguf(&g);
+            }
+        }
+        Self::from_dir(path)
+    }
+
+    /// Rebuilds the tokenizer and chat template from a GGUF file's metadata.
+    pub fn from_gguf(path: &Path) -> Result<Self, TokenizerError> {
+        let invalid = |reason: String| TokenizerError::Invalid {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let header = crate::gguf::GgufHeader::open(path).map_err(|e| invalid(e.to_string()))?;
+        let (json, config) =
+            crate::gguf_tokenizer::tokenizer_files(&header).map_err(|e| invalid(e.to_string()))?;
+        let inner: tokenizers::Tokenizer = json
+            .to_string()
+            .parse()
+            .map_err(|e: tokenizers::Error| invalid(e.to_string()))?;
+        Self::build(inner, &config, path)
+    }
+
     /// Loads `tokenizer.json` and, if present, `tokenizer_config.json` from `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let tok_path = dir.join("tokenizer.json");
@@ -115,9 +156,17 @@ impl TextTokenizer {
         } else {
             Value::Null
         };
-        let bos = special_token(&config, "bos_token").unwrap_or_default();
-        let eos = special_token(&config, "eos_token");
-        let template = match chat_template_source(&config) {
+        Self::build(inner, &config, dir)
+    }
+
+    fn build(
+        inner: tokenizers::Tokenizer,
+        config: &Value,
+        source: &Path,
+    ) -> Result<Self, TokenizerError> {
+        let bos = special_token(config, "bos_token").unwrap_or_default();
+        let eos = special_token(config, "eos_token");
+        let template = match chat_template_source(config) {
             Some(src) => Some(ChatTemplate::new(&src, &bos, eos.as_deref().unwrap_or(""))?),
             None => None,
         };
@@ -144,10 +193,11 @@ impl TextTokenizer {
             eos_token_id,
             vocab_size,
             max_bytes_per_token,
-            dir: dir.to_path_buf(),
+            dir: source.to_path_buf(),
         })
     }
 
+    /// Where the tokenizer was loaded from (a folder or a GGUF file).
     pub fn dir(&self) -> &Path {
         &self.dir
     }

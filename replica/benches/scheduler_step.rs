@@ -31,7 +31,8 @@ fn request(id: u64) -> SeqRequest {
         hash_root: 1,
         max_tokens: 64,
         seed: id,
-        eos_token_id: None,
+        stop_token_ids: Vec::new(),
+        sampling: Default::default(),
         ignore_eos: true,
     }
 }

@@ -56,8 +56,9 @@ async fn main() {
                         priority: 0,
                         hash_root: root,
                         seed: Some(i as u64),
-                        eos_token_id: None,
+                        stop_token_ids: Vec::new(),
                         ignore_eos: true,
+                        sampling: Default::default(),
                     })
                     .unwrap(),
             );

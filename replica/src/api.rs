@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::app::AppState;
 use crate::engine::{RequestStream, Submit};
 use crate::generate::ChoiceState;
+use crate::sampling::SamplingParams;
 use crate::server::{json_response, parse_json, streaming_response, Body};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -67,11 +68,41 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))?
 }
 
+/// Parses a body after refusing the fields the replica does not implement (and logprobs on a
+/// backend without logits); returns the request and the logprobs it asked for.
+fn parse_checked<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    body: &[u8],
+    chat: bool,
+) -> Result<(T, Option<usize>), ApiError> {
+    let doc: serde_json::Value = parse_json(body)?;
+    let map = doc.as_object().ok_or_else(|| {
+        ApiError::invalid_request("the body must be a JSON object").with_code("invalid_json")
+    })?;
+    if chat {
+        protocol::openai_fields::check_chat(map)?;
+    } else {
+        protocol::openai_fields::check_completion(map)?;
+    }
+    let logprobs = protocol::openai_fields::requested_logprobs(map, chat);
+    if logprobs.is_some() && state.info.backend == "sim" {
+        return Err(ApiError::invalid_request(
+            "logprobs need a backend that computes logits (--backend cpu); the sim has none",
+        )
+        .with_param("logprobs"));
+    }
+    let req = serde_json::from_value(doc).map_err(|e| {
+        ApiError::invalid_request(format!("invalid request: {e}")).with_code("invalid_json")
+    })?;
+    Ok((req, logprobs))
+}
+
 fn submit_all(
     state: &AppState,
     prompts: Vec<Vec<u32>>,
     max_tokens: Option<usize>,
     s: &SamplingFields,
+    logprobs: Option<usize>,
 ) -> Result<Vec<RequestStream>, ApiError> {
     let root = root_hash(&state.info.served_model_name, None, s.cache_salt.as_deref());
     prompts
@@ -85,12 +116,29 @@ fn submit_all(
                 hash_root: root,
                 // Each prompt of a batch gets its own stream of "randomness".
                 seed: s.seed.map(|x| x.wrapping_add(i as u64)),
-                eos_token_id: state.tokenizer.eos_token_id(),
+                stop_token_ids: state.stop_token_ids.clone(),
                 ignore_eos: s.ignore_eos.unwrap_or(false),
+                sampling: SamplingParams {
+                    temperature: s.temperature.unwrap_or(1.0),
+                    top_p: s.top_p.unwrap_or(1.0),
+                    top_k: s.top_k.filter(|&k| k > 0).map_or(0, |k| k as usize),
+                    seed: 0,
+                    logprobs,
+                },
             })
         })
         .collect()
 }
+
+/// One choice's part of a stream event: (index, text, whether to send the role, finish
+/// reason, log-probabilities).
+type ChunkChoice<'a> = (
+    u32,
+    Option<String>,
+    bool,
+    Option<&'a str>,
+    Option<serde_json::Value>,
+);
 
 /// The two response flavours share the generation driver and differ in framing.
 #[derive(Clone)]
@@ -125,8 +173,15 @@ impl Framing {
         }
     }
 
-    fn chunk(&self, index: u32, text: Option<String>, role: bool, finish: Option<&str>) -> Bytes {
-        self.event(Some((index, text, role, finish)), None)
+    fn chunk(
+        &self,
+        index: u32,
+        text: Option<String>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Option<serde_json::Value>,
+    ) -> Bytes {
+        self.event(Some((index, text, role, finish, logprobs)), None)
     }
 
     fn usage_chunk(&self, usage: Usage) -> Bytes {
@@ -134,11 +189,7 @@ impl Framing {
     }
 
     /// One stream event: a choice's delta, or (with no choice) the closing usage.
-    fn event(
-        &self,
-        choice: Option<(u32, Option<String>, bool, Option<&str>)>,
-        usage: Option<Usage>,
-    ) -> Bytes {
+    fn event(&self, choice: Option<ChunkChoice<'_>>, usage: Option<Usage>) -> Bytes {
         let finish = |f: Option<&str>| f.map(str::to_string);
         match self.flavor {
             Flavor::Completion => data_event(&CompletionResponse {
@@ -148,10 +199,10 @@ impl Framing {
                 model: self.model.clone(),
                 choices: choice
                     .into_iter()
-                    .map(|(index, text, _, f)| CompletionChoice {
+                    .map(|(index, text, _, f, logprobs)| CompletionChoice {
                         index,
                         text: text.unwrap_or_default(),
-                        logprobs: None,
+                        logprobs,
                         finish_reason: finish(f),
                     })
                     .collect(),
@@ -164,12 +215,13 @@ impl Framing {
                 model: self.model.clone(),
                 choices: choice
                     .into_iter()
-                    .map(|(index, text, role, f)| ChatChunkChoice {
+                    .map(|(index, text, role, f, logprobs)| ChatChunkChoice {
                         index,
                         delta: ChatDelta {
                             role: role.then(|| "assistant".to_string()),
                             content: text,
                         },
+                        logprobs,
                         finish_reason: finish(f),
                     })
                     .collect(),
@@ -199,7 +251,7 @@ async fn stream_choice(
         };
         if role_pending {
             role_pending = false;
-            let role = framing.chunk(choice.index, Some(String::new()), true, None);
+            let role = framing.chunk(choice.index, Some(String::new()), true, None, None);
             if tx.send(role).await.is_err() {
                 return None;
             }
@@ -216,7 +268,9 @@ async fn stream_choice(
         if !delta.text.is_empty() || delta.finish_reason.is_some() {
             let text = (!delta.text.is_empty() || matches!(framing.flavor, Flavor::Completion))
                 .then_some(delta.text);
-            let chunk = framing.chunk(choice.index, text, false, delta.finish_reason);
+            let chat = matches!(framing.flavor, Flavor::Chat);
+            let logprobs = choice.take_logprobs(&state.tokenizer, chat);
+            let chunk = framing.chunk(choice.index, text, false, delta.finish_reason, logprobs);
             if tx.send(chunk).await.is_err() {
                 return None;
             }
@@ -297,7 +351,7 @@ async fn collect_all(
 }
 
 pub async fn completions(state: Arc<AppState>, body: &[u8]) -> Result<Response<Body>, ApiError> {
-    let req: CompletionRequest = parse_json(body)?;
+    let (req, logprobs): (CompletionRequest, _) = parse_checked(&state, body, false)?;
     req.validate()?;
     check_model(&state, req.model.as_deref())?;
     let tok = state.tokenizer.clone();
@@ -332,9 +386,16 @@ pub async fn completions(state: Arc<AppState>, body: &[u8]) -> Result<Response<B
     let choices: Vec<ChoiceState> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| ChoiceState::new(i as u32, stops.clone(), p.len()))
+        .map(|(i, p)| {
+            let c = ChoiceState::new(i as u32, stops.clone(), p.len());
+            if logprobs.is_some() {
+                c.with_logprobs()
+            } else {
+                c
+            }
+        })
         .collect();
-    let streams = submit_all(&state, prompts, max_tokens, &req.sampling)?;
+    let streams = submit_all(&state, prompts, max_tokens, &req.sampling, logprobs)?;
     let framing = Framing::new(Flavor::Completion, &state);
     if req.stream {
         return Ok(stream_response(
@@ -345,16 +406,16 @@ pub async fn completions(state: Arc<AppState>, body: &[u8]) -> Result<Response<B
             req.include_usage(),
         ));
     }
-    let done = collect_all(&state, streams, choices).await?;
+    let mut done = collect_all(&state, streams, choices).await?;
     let mut usage = Usage::new(0, 0, 0);
     let choices = done
-        .iter()
+        .iter_mut()
         .map(|c| {
             usage.add(&c.usage());
             CompletionChoice {
                 index: c.index,
                 text: c.text().to_string(),
-                logprobs: None,
+                logprobs: c.take_logprobs(&state.tokenizer, false),
                 finish_reason: c.finish_reason.map(str::to_string),
             }
         })
@@ -376,7 +437,7 @@ pub async fn chat_completions(
     state: Arc<AppState>,
     body: &[u8],
 ) -> Result<Response<Body>, ApiError> {
-    let req: ChatCompletionRequest = parse_json(body)?;
+    let (req, logprobs): (ChatCompletionRequest, _) = parse_checked(&state, body, true)?;
     req.validate()?;
     check_model(&state, req.model.as_deref())?;
     let tok = state.tokenizer.clone();
@@ -398,12 +459,16 @@ pub async fn chat_completions(
             ApiError::invalid_request("the rendered prompt is empty").with_param("messages")
         );
     }
-    let choice = ChoiceState::new(0, req.sampling.stop_strings(), prompt.len());
+    let mut choice = ChoiceState::new(0, req.sampling.stop_strings(), prompt.len());
+    if logprobs.is_some() {
+        choice = choice.with_logprobs();
+    }
     let streams = submit_all(
         &state,
         vec![prompt],
         req.max_tokens().map(|m| m as usize),
         &req.sampling,
+        logprobs,
     )?;
     let framing = Framing::new(Flavor::Chat, &state);
     if req.stream {
@@ -416,7 +481,8 @@ pub async fn chat_completions(
         ));
     }
     let mut done = collect_all(&state, streams, vec![choice]).await?;
-    let c = done.remove(0);
+    let mut c = done.remove(0);
+    let logprobs = c.take_logprobs(&state.tokenizer, true);
     Ok(json_response(
         StatusCode::OK,
         &ChatCompletionResponse {
@@ -430,6 +496,7 @@ pub async fn chat_completions(
                     role: "assistant".into(),
                     content: Some(c.text().to_string()),
                 },
+                logprobs,
                 finish_reason: c.finish_reason.map(str::to_string),
             }],
             usage: c.usage(),

@@ -12,10 +12,12 @@ use protocol::hashing::DEFAULT_BLOCK_SIZE;
 use protocol::tokenizer::TextTokenizer;
 use tokio::net::TcpListener;
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, EngineBackend};
+use crate::cpu::CpuBackend;
 use crate::engine::{Engine, EngineHandle};
 use crate::kv_hub::KvEventHub;
 use crate::metrics::ReplicaMetrics;
+use crate::model::{LlamaWeights, LoadOptions};
 use crate::profiles::{self, ModelProfile};
 use crate::roofline::{KvDtype, Roofline, DEFAULT_GPU_MEMORY_UTILIZATION};
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -25,11 +27,13 @@ use crate::sim::{SimBackend, CORPUS};
 pub struct ReplicaConfig {
     pub replica_id: String,
     pub backend: BackendKind,
-    /// Built-in profile name or path to a HF `config.json`.
+    /// `sim`: built-in profile name or path to a HF `config.json`. `cpu`: the model — a GGUF
+    /// file, or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
     pub model: String,
     /// Name clients use in `model`; defaults to the profile's name.
     pub served_model_name: Option<String>,
     pub gpu: String,
+    /// Tokenizer: a folder with `tokenizer.json`, or a GGUF file (its metadata).
     pub tokenizer_dir: PathBuf,
     pub block_size: usize,
     pub max_num_seqs: usize,
@@ -52,6 +56,10 @@ pub struct ReplicaConfig {
     pub restrict_api: bool,
     /// On shutdown: how long requests in progress may finish.
     pub drain_timeout: Duration,
+    /// `cpu` backend: compute threads (default: every core).
+    pub threads: Option<usize>,
+    /// `cpu` backend: KV cache size when `num_gpu_blocks` is not set.
+    pub kv_cache_mib: usize,
 }
 
 impl ReplicaConfig {
@@ -78,6 +86,8 @@ impl ReplicaConfig {
             fleet_token: None,
             restrict_api: false,
             drain_timeout: Duration::from_secs(30),
+            threads: None,
+            kv_cache_mib: 512,
         }
     }
 }
@@ -88,7 +98,9 @@ pub enum BuildError {
     Profile(#[from] profiles::ProfileError),
     #[error("cannot load the tokenizer from {dir}: {reason}")]
     Tokenizer { dir: String, reason: String },
-    #[error("the `{0}` backend is not built yet; use `--backend sim`")]
+    #[error("cannot load the model: {0}")]
+    Model(String),
+    #[error("the `{0}` backend is not built yet; use `--backend sim` or `--backend cpu`")]
     BackendUnavailable(&'static str),
     #[error("invalid setting: {0}")]
     Invalid(String),
@@ -129,6 +141,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     pub fleet_token: Option<String>,
     pub restrict_api: bool,
+    /// Tokens that end generation (the model's EOS and end-of-turn ids).
+    pub stop_token_ids: Vec<u32>,
 }
 
 pub struct ReplicaServer {
@@ -168,26 +182,34 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the engine and the HTTP server on `listener`; spawns the engine task.
-pub async fn build_server(
-    cfg: ReplicaConfig,
-    listener: TcpListener,
-) -> Result<ReplicaServer, BuildError> {
-    match cfg.backend {
-        BackendKind::Sim => {}
-        BackendKind::Cpu => return Err(BuildError::BackendUnavailable("cpu")),
-        BackendKind::Cuda => return Err(BuildError::BackendUnavailable("cuda")),
-    }
-    if cfg.restrict_api && cfg.fleet_token.is_none() {
-        return Err(BuildError::Invalid(
-            "restricting /v1/* to the fleet needs a fleet token (--fleet-token-file or KVGATE_FLEET_TOKEN)".into(),
-        ));
-    }
-    if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
-        return Err(BuildError::Invalid(
-            "block size, max_num_seqs and max_num_batched_tokens must be positive".into(),
-        ));
-    }
+/// What a backend brings to the common assembly.
+struct BackendParts {
+    backend: Box<dyn EngineBackend>,
+    tokenizer: Arc<TextTokenizer>,
+    num_blocks: usize,
+    max_model_len: usize,
+    prefill_tokens_per_s: Option<f64>,
+    served_model_name: String,
+    model_profile: String,
+    device: String,
+    kv_cache_dtype: &'static str,
+    stop_token_ids: Vec<u32>,
+}
+
+async fn load_tokenizer(path: &std::path::Path) -> Result<Arc<TextTokenizer>, BuildError> {
+    let p = path.to_path_buf();
+    let tokenizer = tokio::task::spawn_blocking(move || TextTokenizer::from_path(&p))
+        .await
+        .map_err(|e| BuildError::Invalid(e.to_string()))?
+        .map_err(|e| BuildError::Tokenizer {
+            dir: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(Arc::new(tokenizer))
+}
+
+/// The sim: roofline-timed steps for a named model profile and GPU.
+async fn sim_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
     if !(cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) {
         return Err(BuildError::Invalid(format!(
             "gpu memory utilisation must be in (0, 1], got {}",
@@ -205,22 +227,8 @@ pub async fn build_server(
     let mut roofline = Roofline::new(gpu, model.clone(), cfg.kv_cache_dtype);
     roofline.compute_efficiency = cfg.compute_efficiency;
     roofline.bandwidth_efficiency = cfg.bandwidth_efficiency;
+    let tokenizer = load_tokenizer(&cfg.tokenizer_dir).await?;
 
-    let dir = cfg.tokenizer_dir.clone();
-    let tokenizer = tokio::task::spawn_blocking(move || TextTokenizer::from_dir(&dir))
-        .await
-        .map_err(|e| BuildError::Invalid(e.to_string()))?
-        .map_err(|e| BuildError::Tokenizer {
-            dir: cfg.tokenizer_dir.display().to_string(),
-            reason: e.to_string(),
-        })?;
-    let tokenizer = Arc::new(tokenizer);
-
-    if cfg.num_gpu_blocks == Some(0) {
-        return Err(BuildError::Invalid(
-            "--num-gpu-blocks must be at least 1".into(),
-        ));
-    }
     let capacity_tokens = roofline.kv_capacity_tokens(cfg.gpu_memory_utilization) as usize;
     let num_blocks = cfg
         .num_gpu_blocks
@@ -231,31 +239,7 @@ pub async fn build_server(
             model.name, cfg.gpu, cfg.gpu_memory_utilization
         )));
     }
-    let native = model.max_position_embeddings as usize;
-    let wanted = cfg.max_model_len.unwrap_or(native);
-    let max_model_len = wanted.min(num_blocks * cfg.block_size);
-    if max_model_len < wanted {
-        tracing::warn!(
-            wanted,
-            max_model_len,
-            "max model length clamped to the KV cache's capacity"
-        );
-    }
-    if max_model_len > native {
-        tracing::warn!(
-            max_model_len,
-            native,
-            "max model length exceeds the model's native context (max_position_embeddings)"
-        );
-    }
-    let sched_cfg = SchedulerConfig {
-        block_size: cfg.block_size,
-        num_blocks,
-        max_num_seqs: cfg.max_num_seqs,
-        max_num_batched_tokens: cfg.max_num_batched_tokens,
-        max_model_len,
-        enable_prefix_caching: cfg.enable_prefix_caching,
-    };
+    let max_model_len = context_limit(cfg, model.max_position_embeddings as usize, num_blocks);
     let corpus = tokenizer
         .encode(CORPUS, false)
         .map_err(|e| BuildError::Invalid(e.to_string()))?;
@@ -270,12 +254,179 @@ pub async fn build_server(
         .seconds
         * cfg.time_scale;
     let prefill_tokens_per_s = (chunk_s > 0.0).then(|| chunk as f64 / chunk_s);
+    let stop_token_ids = tokenizer.eos_token_id().into_iter().collect();
     let backend = SimBackend::new(roofline, corpus, tokenizer.eos_token_id(), cfg.time_scale);
+    Ok(BackendParts {
+        backend: Box::new(backend),
+        tokenizer,
+        num_blocks,
+        max_model_len,
+        prefill_tokens_per_s,
+        served_model_name: cfg.served_model_name.clone().unwrap_or(model.name.clone()),
+        model_profile: model.name.clone(),
+        device: cfg.gpu.clone(),
+        kv_cache_dtype: match cfg.kv_cache_dtype {
+            KvDtype::Auto => "auto",
+            KvDtype::Fp8 => "fp8",
+        },
+        stop_token_ids,
+    })
+}
+
+/// The model's context, capped by the KV cache.
+fn context_limit(cfg: &ReplicaConfig, native: usize, num_blocks: usize) -> usize {
+    let wanted = cfg.max_model_len.unwrap_or(native);
+    let max_model_len = wanted.min(num_blocks * cfg.block_size);
+    if max_model_len < wanted {
+        tracing::warn!(
+            wanted,
+            max_model_len,
+            "max model length clamped to the KV cache's capacity"
+        );
+    }
+    if max_model_len > native {
+        tracing::warn!(
+            max_model_len,
+            native,
+            "max model length exceeds the model's native context"
+        );
+    }
+    max_model_len
+}
+
+/// The real model on CPU: weights from `cfg.model` (a GGUF file or a Hugging Face folder).
+async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
+    let path = PathBuf::from(&cfg.model);
+    let p = path.clone();
+    let weights =
+        tokio::task::spawn_blocking(move || LlamaWeights::load(&p, LoadOptions::default()))
+            .await
+            .map_err(|e| BuildError::Invalid(e.to_string()))?
+            .map_err(|e| BuildError::Model(e.to_string()))?;
+    let weights = Arc::new(weights);
+    let tokenizer = load_tokenizer(&cfg.tokenizer_dir).await?;
+    if tokenizer.vocab_size() > weights.config.vocab_size {
+        return Err(BuildError::Invalid(format!(
+            "the tokenizer at {} has {} tokens but the model has {} embeddings: they do not belong together",
+            cfg.tokenizer_dir.display(),
+            tokenizer.vocab_size(),
+            weights.config.vocab_size
+        )));
+    }
+    let per_token = CpuBackend::kv_bytes_per_token(&weights);
+    let num_blocks = match cfg.num_gpu_blocks {
+        Some(n) => n,
+        None => (cfg.kv_cache_mib << 20) / (per_token * cfg.block_size),
+    };
+    if num_blocks == 0 {
+        return Err(BuildError::Invalid(format!(
+            "--kv-cache-mib {} holds no {}-token block ({} bytes per token)",
+            cfg.kv_cache_mib, cfg.block_size, per_token
+        )));
+    }
+    let max_model_len = context_limit(cfg, weights.config.max_position, num_blocks);
+    let threads = cfg.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    });
+    let stop_token_ids = if path.is_file() {
+        protocol::gguf::GgufHeader::open(&path)
+            .map(|h| protocol::gguf_tokenizer::stop_token_ids(&h))
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let stop_token_ids = if stop_token_ids.is_empty() {
+        tokenizer.eos_token_id().into_iter().collect()
+    } else {
+        stop_token_ids
+    };
+    let mut backend = CpuBackend::new(weights.clone(), cfg.block_size, num_blocks, threads)
+        .map_err(|e| BuildError::Invalid(e.to_string()))?;
+    // Time one prefill chunk (and fault the weights in) before serving.
+    let probe = cfg.max_num_batched_tokens.min(256);
+    let (backend, rate) = tokio::task::spawn_blocking(move || {
+        let rate = backend.measure_prefill(probe);
+        (backend, rate)
+    })
+    .await
+    .map_err(|e| BuildError::Invalid(e.to_string()))?;
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    tracing::info!(
+        model = %path.display(),
+        weights_mib = weights.bytes() >> 20,
+        kv_cache_mib = (num_blocks * cfg.block_size * per_token) >> 20,
+        threads,
+        prefill_tokens_per_s = rate.round(),
+        "cpu backend loaded"
+    );
+    Ok(BackendParts {
+        backend: Box::new(backend),
+        tokenizer,
+        num_blocks,
+        max_model_len,
+        prefill_tokens_per_s: Some(rate),
+        served_model_name: cfg.served_model_name.clone().unwrap_or(stem),
+        model_profile: format!("llama ({})", path.display()),
+        device: format!("cpu ({threads} threads)"),
+        kv_cache_dtype: "f16",
+        stop_token_ids,
+    })
+}
+
+/// Builds the engine and the HTTP server on `listener`; spawns the engine task.
+pub async fn build_server(
+    cfg: ReplicaConfig,
+    listener: TcpListener,
+) -> Result<ReplicaServer, BuildError> {
+    if cfg.restrict_api && cfg.fleet_token.is_none() {
+        return Err(BuildError::Invalid(
+            "restricting /v1/* to the fleet needs a fleet token (--fleet-token-file or KVGATE_FLEET_TOKEN)".into(),
+        ));
+    }
+    if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
+        return Err(BuildError::Invalid(
+            "block size, max_num_seqs and max_num_batched_tokens must be positive".into(),
+        ));
+    }
+    if cfg.num_gpu_blocks == Some(0) {
+        return Err(BuildError::Invalid(
+            "--num-gpu-blocks must be at least 1".into(),
+        ));
+    }
+    let parts = match cfg.backend {
+        BackendKind::Sim => sim_parts(&cfg).await?,
+        BackendKind::Cpu => cpu_parts(&cfg).await?,
+        BackendKind::Cuda => return Err(BuildError::BackendUnavailable("cuda")),
+    };
+    let BackendParts {
+        backend,
+        tokenizer,
+        num_blocks,
+        max_model_len,
+        prefill_tokens_per_s,
+        served_model_name,
+        model_profile,
+        device,
+        kv_cache_dtype,
+        stop_token_ids,
+    } = parts;
+    let backend_name = backend.name();
+    let sched_cfg = SchedulerConfig {
+        block_size: cfg.block_size,
+        num_blocks,
+        max_num_seqs: cfg.max_num_seqs,
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+        max_model_len,
+        enable_prefix_caching: cfg.enable_prefix_caching,
+    };
     let metrics = Arc::new(ReplicaMetrics::new(&cfg.replica_id));
     let hub = Arc::new(KvEventHub::new(cfg.block_size));
     let (engine, handle) = Engine::new(
         Scheduler::new(sched_cfg),
-        Box::new(backend),
+        backend,
         hub.clone(),
         metrics.clone(),
     );
@@ -293,20 +444,17 @@ pub async fn build_server(
     });
     let info = ReplicaInfo {
         replica_id: cfg.replica_id.clone(),
-        served_model_name: cfg.served_model_name.clone().unwrap_or(model.name.clone()),
-        model_profile: model.name.clone(),
-        gpu: cfg.gpu.clone(),
-        backend: "sim",
-        tokenizer_dir: cfg.tokenizer_dir.display().to_string(),
+        served_model_name,
+        model_profile,
+        gpu: device,
+        backend: backend_name,
+        tokenizer_dir: tokenizer.dir().display().to_string(),
         block_size: cfg.block_size,
         num_blocks,
         max_num_seqs: cfg.max_num_seqs,
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         max_model_len,
-        kv_cache_dtype: match cfg.kv_cache_dtype {
-            KvDtype::Auto => "auto",
-            KvDtype::Fp8 => "fp8",
-        },
+        kv_cache_dtype,
         enable_prefix_caching: cfg.enable_prefix_caching,
         created: unix_now(),
         prefill_tokens_per_s,
@@ -331,6 +479,7 @@ pub async fn build_server(
         state: Arc::new(AppState {
             fleet_token: cfg.fleet_token.clone(),
             restrict_api: cfg.restrict_api,
+            stop_token_ids,
             info,
             tokenizer,
             engine: handle,

@@ -1,11 +1,14 @@
 //! The seam between the scheduler and whatever runs the model: an [`EngineBackend`] executes
 //! one planned step and returns the sampled tokens and how long the step takes. `sim` models the
-//! time (the engine then waits it out); `cpu` and `cuda` will compute for real and return no
-//! extra wait.
+//! time (the engine then waits it out); `cpu` computes for real (on a blocking thread, off the
+//! async runtime) and returns no extra wait; `cuda` is not built yet.
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use crate::roofline::StepCost;
+use crate::sampling::TokenLogprobs;
 use crate::scheduler::ScheduledItem;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,10 +38,17 @@ pub struct StepResult {
     pub wait: Duration,
     /// The modelled cost, where the backend models one.
     pub cost: Option<StepCost>,
+    /// Per sampled token, in the order of `sampled`: its log-probabilities when the request
+    /// asked for them (may be empty when no request did).
+    pub logprobs: Vec<Option<Arc<TokenLogprobs>>>,
 }
 
 pub trait EngineBackend: Send + 'static {
     /// `sim`, `cpu` or `cuda`: the `--backend` value and the metrics label.
     fn name(&self) -> &'static str;
+    /// Whether `execute` computes for real (and so must run off the async runtime).
+    fn computes(&self) -> bool {
+        false
+    }
     fn execute(&mut self, items: &[ScheduledItem]) -> StepResult;
 }

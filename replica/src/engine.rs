@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use crate::backend::EngineBackend;
 use crate::kv_hub::KvEventHub;
 use crate::metrics::ReplicaMetrics;
+use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::scheduler::{FinishReason, Scheduler, SeqId, SeqRequest};
 
 /// One event on a request's channel.
@@ -27,6 +28,8 @@ pub enum EngineEvent {
         finish: Option<FinishReason>,
         prompt_tokens: usize,
         cached_tokens: usize,
+        /// The token's log-probabilities, when the request asked for them.
+        logprobs: Option<Arc<TokenLogprobs>>,
     },
     /// The engine could not run the request (it never fits the cache, or the engine stopped).
     Failed(String),
@@ -82,8 +85,11 @@ pub struct Submit {
     pub priority: i32,
     pub hash_root: u64,
     pub seed: Option<u64>,
-    pub eos_token_id: Option<u32>,
+    /// Tokens that end generation (the model's EOS and end-of-turn ids).
+    pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Temperature, top-p, top-k, logprobs (its `seed` is replaced by the resolved seed).
+    pub sampling: SamplingParams,
 }
 
 /// The token stream of one submitted request; dropping it cancels the request.
@@ -166,17 +172,19 @@ impl EngineHandle {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
+        let seed = s
+            .seed
+            .unwrap_or_else(|| crate::sim::splitmix64(id ^ 0x5eed));
         let req = SeqRequest {
             id,
             prompt: s.prompt,
             priority: s.priority,
             hash_root: s.hash_root,
             max_tokens: s.max_tokens.unwrap_or(l.max_model_len - prompt),
-            seed: s
-                .seed
-                .unwrap_or_else(|| crate::sim::splitmix64(id ^ 0x5eed)),
-            eos_token_id: s.eos_token_id,
+            seed,
+            stop_token_ids: s.stop_token_ids,
             ignore_eos: s.ignore_eos,
+            sampling: Arc::new(SamplingParams { seed, ..s.sampling }),
         };
         self.tx
             .send(Command::Add(req, tx))
@@ -199,7 +207,8 @@ struct Live {
 
 pub struct Engine {
     scheduler: Scheduler,
-    backend: Box<dyn EngineBackend>,
+    /// Taken out while a computing backend runs on a blocking thread.
+    backend: Option<Box<dyn EngineBackend>>,
     hub: Arc<KvEventHub>,
     metrics: Arc<ReplicaMetrics>,
     stats: Arc<EngineStats>,
@@ -238,7 +247,7 @@ impl Engine {
         };
         let engine = Engine {
             scheduler,
-            backend,
+            backend: Some(backend),
             hub,
             metrics,
             stats,
@@ -314,11 +323,53 @@ impl Engine {
             if !self.scheduler.has_work() {
                 continue;
             }
-            self.step().await;
+            if !self.step().await {
+                self.fail_all("the engine's backend failed; see the replica's log");
+                return;
+            }
         }
     }
 
-    async fn step(&mut self) {
+    /// Fails every request in flight (the backend is gone).
+    fn fail_all(&mut self, msg: &str) {
+        for (id, l) in self.live.drain() {
+            let _ = l.tx.send(EngineEvent::Failed(msg.to_string()));
+            self.scheduler.abort(id);
+        }
+    }
+
+    /// Runs one planned step on the backend: inline for the sim, on a blocking thread for a
+    /// backend that computes. `None` when the backend panicked.
+    async fn run_backend(
+        &mut self,
+        items: &[crate::scheduler::ScheduledItem],
+    ) -> Option<crate::backend::StepResult> {
+        let mut backend = self.backend.take()?;
+        if !backend.computes() {
+            let r = backend.execute(items);
+            self.backend = Some(backend);
+            return Some(r);
+        }
+        let items = items.to_vec();
+        let joined = tokio::task::spawn_blocking(move || {
+            let r = backend.execute(&items);
+            (backend, r)
+        })
+        .await;
+        match joined {
+            Ok((backend, r)) => {
+                self.backend = Some(backend);
+                Some(r)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the engine backend panicked; the engine stops");
+                None
+            }
+        }
+    }
+
+    /// One step; `false` when the backend is gone.
+    async fn step(&mut self) -> bool {
         let start = Instant::now();
         let out = self.scheduler.schedule();
         if out.items.is_empty() {
@@ -329,9 +380,11 @@ impl Engine {
             if let Some(cmd) = self.rx.recv().await {
                 self.apply(cmd);
             }
-            return;
+            return true;
         }
-        let result = self.backend.execute(&out.items);
+        let Some(result) = self.run_backend(&out.items).await else {
+            return false;
+        };
         let outputs = self.scheduler.update(&out, &result.sampled);
         let events = self.scheduler.pool().lock().take_events();
         let cpu = start.elapsed();
@@ -362,7 +415,9 @@ impl Engine {
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
 
         let mut gone = Vec::new();
+        let mut logprobs = result.logprobs.iter();
         for o in outputs {
+            let lp = logprobs.next().cloned().flatten();
             let Some(l) = self.live.get_mut(&o.seq_id) else {
                 continue;
             };
@@ -383,6 +438,7 @@ impl Engine {
                 finish: o.finish,
                 prompt_tokens: o.prompt_tokens,
                 cached_tokens: o.cached_tokens,
+                logprobs: lp,
             };
             let delivered = l.tx.send(ev).is_ok();
             if let Some(f) = o.finish {
@@ -414,6 +470,7 @@ impl Engine {
             self.window_tokens = 0;
         }
         self.publish_stats();
+        true
     }
 
     fn publish_stats(&mut self) {

@@ -3,10 +3,14 @@
 //! never streamed), finish reasons and usage. Runs in the request's own task, off the engine
 //! loop, so detokenising never delays a step.
 
+use std::sync::Arc;
+
 use protocol::openai::Usage;
 use protocol::tokenizer::{IncrementalDecoder, TextTokenizer};
+use serde_json::{json, Value};
 
 use crate::engine::EngineEvent;
+use crate::sampling::TokenLogprobs;
 use crate::scheduler::FinishReason;
 
 /// Text and state of one choice.
@@ -21,6 +25,10 @@ pub struct ChoiceState {
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
     pub finish_reason: Option<&'static str>,
+    /// Each generated token with its log-probabilities, when the request asked for them.
+    logprobs: Option<Vec<(u32, Arc<TokenLogprobs>)>>,
+    /// Entries of `logprobs` already sent in stream chunks.
+    logprobs_sent: usize,
 }
 
 /// What one engine event adds to the choice.
@@ -44,7 +52,24 @@ impl ChoiceState {
             prompt_tokens: prompt_tokens as u32,
             cached_tokens: 0,
             finish_reason: None,
+            logprobs: None,
+            logprobs_sent: 0,
         }
+    }
+
+    /// Collects each token's log-probabilities (the request asked for them).
+    pub fn with_logprobs(mut self) -> Self {
+        self.logprobs = Some(Vec::new());
+        self
+    }
+
+    /// The log-probabilities not yet sent, in OpenAI's chat (`{"content": [...]}`) or
+    /// completions (`{"tokens", "token_logprobs", "top_logprobs"}`) shape.
+    pub fn take_logprobs(&mut self, tok: &TextTokenizer, chat: bool) -> Option<Value> {
+        let all = self.logprobs.as_ref()?;
+        let new = &all[self.logprobs_sent..];
+        self.logprobs_sent = all.len();
+        Some(render_logprobs(tok, new, chat))
     }
 
     pub fn is_finished(&self) -> bool {
@@ -72,7 +97,13 @@ impl ChoiceState {
                 finish,
                 prompt_tokens,
                 cached_tokens,
-            } => (token, finish, prompt_tokens, cached_tokens),
+                logprobs,
+            } => {
+                if let (Some(all), Some(lp)) = (self.logprobs.as_mut(), logprobs) {
+                    all.push((token, lp));
+                }
+                (token, finish, prompt_tokens, cached_tokens)
+            }
             EngineEvent::Failed(msg) => return Err(msg),
         };
         self.completion_tokens += 1;
@@ -126,6 +157,57 @@ impl ChoiceState {
             text: rest,
             finish_reason: Some(reason),
         }
+    }
+}
+
+fn piece(tok: &TextTokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+fn render_logprobs(
+    tok: &TextTokenizer,
+    entries: &[(u32, Arc<TokenLogprobs>)],
+    chat: bool,
+) -> Value {
+    if chat {
+        let content: Vec<Value> = entries
+            .iter()
+            .map(|(id, lp)| {
+                let t = piece(tok, *id);
+                json!({
+                    "token": t, "logprob": lp.logprob, "bytes": t.as_bytes(),
+                    "top_logprobs": lp.top.iter().map(|(alt, l)| {
+                        let a = piece(tok, *alt);
+                        json!({"token": a, "logprob": l, "bytes": a.as_bytes()})
+                    }).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({ "content": content, "refusal": null })
+    } else {
+        let tokens: Vec<String> = entries.iter().map(|(id, _)| piece(tok, *id)).collect();
+        let token_logprobs: Vec<f32> = entries.iter().map(|(_, lp)| lp.logprob).collect();
+        let top: Vec<Value> = entries
+            .iter()
+            .map(|(_, lp)| {
+                let m: serde_json::Map<String, Value> = lp
+                    .top
+                    .iter()
+                    .map(|(alt, l)| (piece(tok, *alt), json!(l)))
+                    .collect();
+                Value::Object(m)
+            })
+            .collect();
+        let mut offset = 0;
+        let text_offset: Vec<usize> = tokens
+            .iter()
+            .map(|t| {
+                let o = offset;
+                offset += t.len();
+                o
+            })
+            .collect();
+        json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset})
     }
 }
 

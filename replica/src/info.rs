@@ -15,20 +15,35 @@ use tokio::sync::broadcast::error::RecvError;
 use crate::app::AppState;
 use crate::server::{json_response, parse_json, streaming_response, Body};
 
+fn card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.info.served_model_name.clone(),
+        object: "model".into(),
+        created: state.info.created,
+        owned_by: "kvgate".into(),
+        max_model_len: Some(state.info.max_model_len),
+    }
+}
+
 pub fn models(state: &AppState) -> Response<Body> {
     json_response(
         StatusCode::OK,
         &ModelList {
             object: "list".into(),
-            data: vec![ModelCard {
-                id: state.info.served_model_name.clone(),
-                object: "model".into(),
-                created: state.info.created,
-                owned_by: "kvgate".into(),
-                max_model_len: Some(state.info.max_model_len),
-            }],
+            data: vec![card(state)],
         },
     )
+}
+
+/// `GET /v1/models/{id}`: the served model's card, or OpenAI's 404 for any other id.
+pub fn model(state: &AppState, id: &str) -> Result<Response<Body>, protocol::ApiError> {
+    if id != state.info.served_model_name {
+        return Err(protocol::ApiError::model_not_found(
+            id,
+            &state.info.served_model_name,
+        ));
+    }
+    Ok(json_response(StatusCode::OK, &card(state)))
 }
 
 #[derive(Deserialize)]

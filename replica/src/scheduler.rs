@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 use protocol::hashing::{cacheable_prompt_blocks, extend_block_hashes};
 
 use crate::block_manager::{BlockPool, BlockTable, PrefixStats};
+use crate::sampling::SamplingParams;
 
 pub type SeqId = u64;
 
@@ -41,8 +42,11 @@ pub struct SeqRequest {
     pub hash_root: u64,
     pub max_tokens: usize,
     pub seed: u64,
-    pub eos_token_id: Option<u32>,
+    /// Tokens that end the sequence (the model's EOS and end-of-turn ids).
+    pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// How real backends sample; the sim ignores it.
+    pub sampling: Arc<SamplingParams>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +82,7 @@ impl Sequence {
 }
 
 /// One sequence's share of a step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ScheduledItem {
     pub seq_id: SeqId,
     /// Tokens already in the cache before this step.
@@ -91,6 +95,11 @@ pub struct ScheduledItem {
     pub output_index: usize,
     pub seed: u64,
     pub ignore_eos: bool,
+    /// The token ids computed in this step (`num_tokens` of them, from position `context`).
+    pub tokens: Vec<u32>,
+    /// The sequence's KV blocks, covering `context + num_tokens` positions.
+    pub block_table: Vec<u32>,
+    pub sampling: Arc<SamplingParams>,
 }
 
 impl ScheduledItem {
@@ -322,6 +331,9 @@ impl Scheduler {
                     output_index: s.generated(),
                     seed: s.req.seed,
                     ignore_eos: s.req.ignore_eos,
+                    tokens: s.tokens[s.num_computed..s.num_computed + n].to_vec(),
+                    block_table: s.blocks.ids().to_vec(),
+                    sampling: s.req.sampling.clone(),
                 });
                 i += 1;
             }
@@ -368,6 +380,9 @@ impl Scheduler {
                 output_index: s.generated(),
                 seed: s.req.seed,
                 ignore_eos: s.req.ignore_eos,
+                tokens: s.tokens[cached..cached + n].to_vec(),
+                block_table: s.blocks.ids().to_vec(),
+                sampling: s.req.sampling.clone(),
             });
             let seq = entry.remove();
             self.running.push(seq);
@@ -418,7 +433,7 @@ impl Scheduler {
                 };
                 s.tokens.push(token);
                 extend_block_hashes(&mut s.hashes, s.req.hash_root, &s.tokens, bs);
-                let finish = if !s.req.ignore_eos && Some(token) == s.req.eos_token_id {
+                let finish = if !s.req.ignore_eos && s.req.stop_token_ids.contains(&token) {
                     Some(FinishReason::Stop)
                 } else if s.generated() >= s.req.max_tokens
                     || s.tokens.len() >= self.cfg.max_model_len

@@ -106,6 +106,7 @@ impl EngineBackend for SimBackend {
             sampled,
             wait: Duration::from_secs_f64((cost.seconds * self.time_scale).max(0.0)),
             cost: Some(cost),
+            logprobs: Vec::new(),
         }
     }
 }
@@ -134,6 +135,7 @@ mod tests {
             output_index,
             seed,
             ignore_eos,
+            ..Default::default()
         }
     }
 

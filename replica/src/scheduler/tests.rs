@@ -21,7 +21,8 @@ fn req(id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> SeqRequest {
         hash_root: 42,
         max_tokens,
         seed: id,
-        eos_token_id: None,
+        stop_token_ids: Vec::new(),
+        sampling: Default::default(),
         ignore_eos: true,
     }
 }

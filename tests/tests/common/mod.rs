@@ -24,6 +24,28 @@ pub fn tokenizer_dir() -> PathBuf {
     dir
 }
 
+/// The default real model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+pub fn model_file() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "the default model is missing ({}): run scripts/fetch-models.sh",
+        p.display()
+    );
+    p
+}
+
+/// Adjusts a replica config to serve the real default model on the `cpu` backend.
+pub fn cpu_replica(c: &mut ReplicaConfig, threads: usize) {
+    c.backend = replica::backend::BackendKind::Cpu;
+    c.model = model_file().display().to_string();
+    c.tokenizer_dir = model_file();
+    c.threads = Some(threads);
+    c.kv_cache_mib = 64;
+    c.max_num_batched_tokens = 512;
+}
+
 async fn wait_ready(client: &reqwest::Client, base: &str, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -1,0 +1,198 @@
+//! The paged KV cache and attention over it. Keys and values are stored as f16 (llama.cpp's
+//! default cache type) in fixed-size blocks that the replica's block manager hands out: a
+//! sequence's block table maps its position `p` to slot `p % block_size` of block
+//! `table[p / block_size]`. A block written by one sequence is read unchanged by every sequence
+//! that later shares the prefix, which is what makes prefix caching save real work.
+//!
+//! Layout: `[layer][block][kv_head][slot][head_dim]`, so one block of one head is a contiguous
+//! run of `block_size × head_dim` values, widened to f32 in one go before its dot products.
+
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+use crate::dot::dot_f32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl AttentionShape {
+    /// Bytes of K and V for one token across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * std::mem::size_of::<f16>()
+    }
+}
+
+/// Keys and values as f16 bit patterns: a zeroed `u16` vector is allocated lazily by the OS, so
+/// the cache costs resident memory only as blocks are first written.
+pub struct PagedKvCache {
+    shape: AttentionShape,
+    k: Vec<u16>,
+    v: Vec<u16>,
+}
+
+impl std::fmt::Debug for PagedKvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedKvCache")
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PagedKvCache {
+    pub fn new(shape: AttentionShape) -> Self {
+        let n =
+            shape.layers * shape.num_blocks * shape.kv_heads * shape.block_size * shape.head_dim;
+        PagedKvCache {
+            shape,
+            k: vec![0u16; n],
+            v: vec![0u16; n],
+        }
+    }
+
+    pub fn shape(&self) -> &AttentionShape {
+        &self.shape
+    }
+
+    /// Bytes held by the cache.
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * std::mem::size_of::<u16>()
+    }
+
+    fn offset(&self, layer: usize, block: usize, head: usize, slot: usize) -> usize {
+        let s = &self.shape;
+        (((layer * s.num_blocks + block) * s.kv_heads + head) * s.block_size + slot) * s.head_dim
+    }
+
+    /// Stores one token's keys and values (`kv_heads × head_dim` each) at `slot` of `block`.
+    pub fn write(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let hd = self.shape.head_dim;
+        for h in 0..self.shape.kv_heads {
+            let at = self.offset(layer, block, h, slot);
+            self.k[at..at + hd]
+                .reinterpret_cast_mut::<f16>()
+                .convert_from_f32_slice(&k[h * hd..(h + 1) * hd]);
+            self.v[at..at + hd]
+                .reinterpret_cast_mut::<f16>()
+                .convert_from_f32_slice(&v[h * hd..(h + 1) * hd]);
+        }
+    }
+
+    /// Overwrites every key and value of `block` with noise: the planted fault that the
+    /// prefix-reuse detector must catch. Not for serving.
+    #[doc(hidden)]
+    pub fn scribble_block(&mut self, block: usize) {
+        let run = self.shape.block_size * self.shape.head_dim;
+        for layer in 0..self.shape.layers {
+            for h in 0..self.shape.kv_heads {
+                let at = self.offset(layer, block, h, 0);
+                for (i, x) in self.k[at..at + run].iter_mut().enumerate() {
+                    *x = f16::from_f32(((i * 7919) % 13) as f32 - 6.0).to_bits();
+                }
+            }
+        }
+    }
+
+    /// Attention of one query head over positions `0..n_ctx` of a sequence: `q` is the head's
+    /// query (RoPE applied), `kv_head` the head it reads, `out` the `head_dim` result.
+    /// Positions are visited in order and the softmax is exact, so the result depends only on
+    /// the query and the cached values, never on how they were batched or chunked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_head(
+        &self,
+        layer: usize,
+        table: &[u32],
+        n_ctx: usize,
+        kv_head: usize,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scratch: &mut Vec<f32>,
+    ) {
+        let s = &self.shape;
+        let hd = s.head_dim;
+        let bs = s.block_size;
+        let mut scores = Vec::with_capacity(n_ctx);
+        scratch.resize(bs * hd, 0.0);
+        for (b, &block) in table.iter().enumerate().take(n_ctx.div_ceil(bs)) {
+            let n = (n_ctx - b * bs).min(bs);
+            let at = self.offset(layer, block as usize, kv_head, 0);
+            self.k[at..at + n * hd]
+                .reinterpret_cast::<f16>()
+                .convert_to_f32_slice(&mut scratch[..n * hd]);
+            for key in scratch[..n * hd].chunks_exact(hd) {
+                scores.push(dot_f32(q, key) * scale);
+            }
+        }
+        crate::ops::softmax(&mut scores);
+        out.fill(0.0);
+        for (b, &block) in table.iter().enumerate().take(n_ctx.div_ceil(bs)) {
+            let n = (n_ctx - b * bs).min(bs);
+            let at = self.offset(layer, block as usize, kv_head, 0);
+            self.v[at..at + n * hd]
+                .reinterpret_cast::<f16>()
+                .convert_to_f32_slice(&mut scratch[..n * hd]);
+            for (j, val) in scratch[..n * hd].chunks_exact(hd).enumerate() {
+                let w = scores[b * bs + j];
+                for (o, &x) in out.iter_mut().zip(val) {
+                    *o += w * x;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_over_scattered_blocks_matches_dense_attention() {
+        let shape = AttentionShape {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 8,
+            block_size: 4,
+            num_blocks: 10,
+        };
+        let mut cache = PagedKvCache::new(shape);
+        let table = [7u32, 2, 9];
+        let n_ctx = 10;
+        let val = |p: usize, h: usize, d: usize, salt: usize| {
+            (((p * 31 + h * 7 + d * 3 + salt) % 17) as f32 - 8.0) / 8.0
+        };
+        let mut dense_k: Vec<Vec<f32>> = Vec::new();
+        let mut dense_v: Vec<Vec<f32>> = Vec::new();
+        for p in 0..n_ctx {
+            let k: Vec<f32> = (0..16).map(|i| val(p, i / 8, i % 8, 1)).collect();
+            let v: Vec<f32> = (0..16).map(|i| val(p, i / 8, i % 8, 5)).collect();
+            cache.write(1, table[p / 4] as usize, p % 4, &k, &v);
+            // f16 round trip, as stored.
+            let r = |x: &Vec<f32>| x.iter().map(|&a| f16::from_f32(a).to_f32()).collect();
+            dense_k.push(r(&k));
+            dense_v.push(r(&v));
+        }
+        let q: Vec<f32> = (0..8).map(|d| d as f32 / 10.0 - 0.3).collect();
+        let mut out = vec![0f32; 8];
+        let mut scratch = Vec::new();
+        cache.attend_head(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
+        let mut w: Vec<f32> = (0..n_ctx)
+            .map(|p| (0..8).map(|d| q[d] * dense_k[p][8 + d]).sum::<f32>() * 0.35)
+            .collect();
+        crate::ops::softmax(&mut w);
+        for d in 0..8 {
+            let want: f32 = (0..n_ctx).map(|p| w[p] * dense_v[p][8 + d]).sum();
+            assert!((out[d] - want).abs() < 1e-5, "{d}: {} vs {want}", out[d]);
+        }
+        // A scribbled block changes the answer.
+        let before = out.clone();
+        cache.scribble_block(2);
+        cache.attend_head(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
+        assert_ne!(before, out);
+    }
+}

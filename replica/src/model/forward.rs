@@ -1,0 +1,174 @@
+//! One forward pass over a step's mixed batch: every new token of every scheduled sequence
+//! (prefill chunks and decodes together) goes through each matrix multiply as one batch, and
+//! attention runs per sequence and head over that sequence's paged KV blocks. New keys and
+//! values are written into the sequence's blocks before attention reads them, so a chunk
+//! attends to itself and to everything cached before it.
+//!
+//! Nothing a token computes depends on the other tokens of the step: matmuls compute each
+//! output as one dot product, attention reads only the sequence's own blocks, and the order of
+//! every reduction is fixed. Prefix reuse and batching are therefore exact, bit for bit.
+
+use kernels::ops::{add_assign, rms_norm_rows, rope_interleaved, silu_mul};
+use kernels::{matmul, Activations, PagedKvCache};
+use rayon::prelude::*;
+
+use super::weights::LlamaWeights;
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone)]
+pub struct SeqSlice<'a> {
+    /// The tokens computed in this step.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]` in the sequence (tokens before it are in the cache).
+    pub start: usize,
+    /// The sequence's block table, covering at least `start + tokens.len()` positions.
+    pub table: &'a [u32],
+    /// Whether to return logits for the last token.
+    pub logits: bool,
+}
+
+/// Runs the step; returns the last-token logits of each slice that asked for them, in order.
+pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -> Vec<Vec<f32>> {
+    let c = &w.config;
+    let (hidden, hd) = (c.hidden, c.head_dim);
+    let (qd, kvd) = (c.heads * hd, c.kv_heads * hd);
+    let bs = kv.shape().block_size;
+    // Token t belongs to sequence owner[t] at position pos[t].
+    let mut owner = Vec::new();
+    let mut pos = Vec::new();
+    let mut ids = Vec::new();
+    for (s, sl) in seqs.iter().enumerate() {
+        assert!(
+            sl.table.len() * bs >= sl.start + sl.tokens.len(),
+            "block table too short for the step"
+        );
+        for (i, &tok) in sl.tokens.iter().enumerate() {
+            owner.push(s);
+            pos.push(sl.start + i);
+            ids.push(tok);
+        }
+    }
+    let n = ids.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let angles: Vec<Vec<(f32, f32)>> = pos.par_iter().map(|&p| c.rope.angles(p)).collect();
+
+    let mut x = vec![0f32; n * hidden];
+    x.par_chunks_mut(hidden)
+        .zip(ids.par_iter())
+        .for_each(|(row, &id)| w.embed.row_f32(id as usize, row));
+
+    let mut h = vec![0f32; n * hidden];
+    let mut q = vec![0f32; n * qd];
+    let mut k = vec![0f32; n * kvd];
+    let mut v = vec![0f32; n * kvd];
+    let mut attn = vec![0f32; n * qd];
+    let mut o = vec![0f32; n * hidden];
+    let mut gate = vec![0f32; n * c.intermediate];
+    let mut up = vec![0f32; n * c.intermediate];
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = c.heads / c.kv_heads;
+
+    for (layer, lw) in w.layers.iter().enumerate() {
+        norm_rows(&x, &lw.attn_norm, c.rms_eps, &mut h);
+        {
+            let a = Activations::new(&h, hidden);
+            matmul(&a, &lw.wq, &mut q);
+            matmul(&a, &lw.wk, &mut k);
+            matmul(&a, &lw.wv, &mut v);
+        }
+        let rope_dims = c.rope.dims;
+        q.par_chunks_mut(qd)
+            .zip(k.par_chunks_mut(kvd))
+            .zip(angles.par_iter())
+            .for_each(|((qt, kt), ang)| {
+                rope_heads(qt, hd, rope_dims, ang);
+                rope_heads(kt, hd, rope_dims, ang);
+            });
+        for t in 0..n {
+            let sl = &seqs[owner[t]];
+            let p = pos[t];
+            kv.write(
+                layer,
+                sl.table[p / bs] as usize,
+                p % bs,
+                &k[t * kvd..(t + 1) * kvd],
+                &v[t * kvd..(t + 1) * kvd],
+            );
+        }
+        let cache: &PagedKvCache = kv;
+        attn.par_chunks_mut(hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scratch, (i, out)| {
+                let (t, head) = (i / c.heads, i % c.heads);
+                let sl = &seqs[owner[t]];
+                cache.attend_head(
+                    layer,
+                    sl.table,
+                    pos[t] + 1,
+                    head / group,
+                    &q[t * qd + head * hd..t * qd + (head + 1) * hd],
+                    scale,
+                    out,
+                    scratch,
+                );
+            });
+        matmul(&Activations::new(&attn, qd), &lw.wo, &mut o);
+        add_assign(&mut x, &o);
+
+        norm_rows(&x, &lw.ffn_norm, c.rms_eps, &mut h);
+        {
+            let a = Activations::new(&h, hidden);
+            matmul(&a, &lw.w_gate, &mut gate);
+            matmul(&a, &lw.w_up, &mut up);
+        }
+        gate.par_chunks_mut(c.intermediate)
+            .zip(up.par_chunks(c.intermediate))
+            .for_each(|(g, u)| silu_mul(g, u));
+        matmul(&Activations::new(&gate, c.intermediate), &lw.w_down, &mut o);
+        add_assign(&mut x, &o);
+    }
+
+    // Logits for the last token of each slice that samples.
+    let mut last_rows = Vec::new();
+    let mut t0 = 0;
+    for sl in seqs {
+        t0 += sl.tokens.len();
+        if sl.logits && !sl.tokens.is_empty() {
+            last_rows.push(t0 - 1);
+        }
+    }
+    if last_rows.is_empty() {
+        return Vec::new();
+    }
+    let mut hl = vec![0f32; last_rows.len() * hidden];
+    for (r, &t) in last_rows.iter().enumerate() {
+        hl[r * hidden..(r + 1) * hidden].copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
+    }
+    let mut normed = vec![0f32; hl.len()];
+    rms_norm_rows(&hl, &w.norm, c.rms_eps, &mut normed);
+    let head = w.lm_head();
+    let vocab = head.rows();
+    let mut logits = vec![0f32; last_rows.len() * vocab];
+    matmul(&Activations::new(&normed, hidden), head, &mut logits);
+    logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
+}
+
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, xr)| kernels::ops::rms_norm(xr, weight, eps, o));
+}
+
+/// RoPE on the first `dims` values of every head (partial rotary leaves the rest as is).
+fn rope_heads(x: &mut [f32], hd: usize, dims: usize, angles: &[(f32, f32)]) {
+    if dims == hd {
+        rope_interleaved(x, hd, angles);
+    } else {
+        for head in x.chunks_exact_mut(hd) {
+            rope_interleaved(&mut head[..dims], dims, angles);
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! The real engine behind the gateway: `cpu` replicas serving the default GGUF model, a
+//! gateway that tokenises with the same file's tokenizer. The gateway's predicted matched
+//! blocks must equal what the engine found cached (detector (d)), and `kvgate up --backend cpu`
+//! must answer a question with a checkable answer, routing the second turn by prefix.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+fn chat(system: &str, user: &str) -> Value {
+    json!({"model": MODEL, "temperature": 0, "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_predictions_equal_the_real_engines_cache_hits() {
+    let reps = [
+        start_replica(|c| cpu_replica(c, 1)).await,
+        start_replica(|c| cpu_replica(c, 1)).await,
+    ];
+    let gw = start_gateway(&reps.iter().collect::<Vec<_>>(), |c| {
+        c.model.name = MODEL.into();
+        c.model.tokenizer_dir = Some(model_file().display().to_string());
+        exact_hit_signals(c);
+    })
+    .await;
+    let sys = "You are the help desk of a small museum. Opening hours are 10:00 to 18:00, \
+               closed on Mondays. Tickets cost 12 euros, 6 for students. Photography without \
+               flash is allowed. The cafe is on the ground floor. Answer in one sentence."
+        .repeat(2);
+    let mut hits = 0;
+    for q in [
+        "When do you open?",
+        "Can I take photos?",
+        "When do you open?",
+    ] {
+        let r = gw.post("/v1/chat/completions", chat(&sys, q)).await;
+        assert_eq!(r.status(), 200);
+        let predicted: usize = header(&r, "x-kvgate-matched-blocks").parse().unwrap();
+        let v: Value = r.json().await.unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap() as usize;
+        assert_eq!(predicted * 16, cached, "{q}: {v}");
+        hits += usize::from(cached > 0);
+        assert!(!v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty());
+    }
+    assert!(
+        hits >= 2,
+        "the shared system prompt was served from the cache"
+    );
+}
+
+fn kvgate_binary() -> PathBuf {
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join("debug/kvgate");
+    assert!(bin.exists(), "{} is missing: build it first", bin.display());
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_up_with_the_cpu_backend_answers_and_routes_the_second_turn_by_prefix() {
+    model_file();
+    let mut child = tokio::process::Command::new(kvgate_binary())
+        .args(["up", "--backend", "cpu", "--port", "0", "--admin-port", "0"])
+        .env_remove("KVGATE_TOKENIZER_DIR")
+        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start kvgate up");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let url = loop {
+        let line = tokio::time::timeout(Duration::from_secs(300), lines.next_line())
+            .await
+            .expect("kvgate up prints its URL")
+            .unwrap()
+            .expect("kvgate up exited early");
+        if let Some(rest) = line.strip_prefix("kvgate gateway ready at ") {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let client = reqwest::Client::new();
+    let mut messages = vec![
+        json!({"role": "user", "content": "What is the capital of France? Answer in one word."}),
+    ];
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(answer.contains("Paris"), "answer: {answer}");
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": "And of Italy?"}));
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-kvgate-route-reason"), "prefix_match");
+    let v: Value = r.json().await.unwrap();
+    assert!(!v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+    child.kill().await.unwrap();
+}
