@@ -72,7 +72,7 @@ fn inert(key: &str, v: &Value) -> bool {
         "logit_bias" => v.as_object().is_some_and(Map::is_empty),
         "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         "modalities" => v.as_array().is_some_and(|a| a == &[Value::from("text")]),
-        "echo" => v.as_bool() == Some(false),
+        "echo" | "return_logprob" => v.as_bool() == Some(false),
         "best_of" => v.as_u64() == Some(1),
         "suffix" => v.as_str().is_some_and(str::is_empty),
         _ => false,

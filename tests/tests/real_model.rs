@@ -137,3 +137,54 @@ async fn kvgate_up_with_the_cpu_backend_answers_and_routes_the_second_turn_by_pr
         .is_empty());
     child.kill().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_engine_reports_logprobs_and_stops_at_end_of_turn() {
+    let r = start_replica(|c| cpu_replica(c, 2)).await;
+    let q = "What is the capital of France? Answer in one word.";
+    let v: Value = r
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "temperature": 0, "max_tokens": 40, "logprobs": true,
+                   "top_logprobs": 3, "messages": [{"role": "user", "content": q}]}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let choice = &v["choices"][0];
+    // The model ends its turn with <|im_end|>, one of the file's end-of-generation ids.
+    assert_eq!(choice["finish_reason"], "stop", "{v}");
+    let content = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for t in content {
+        let lp = t["logprob"].as_f64().unwrap();
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert!(
+            (top[0]["logprob"].as_f64().unwrap() - lp).abs() < 1e-6,
+            "{t}"
+        );
+        assert!(lp <= 0.0);
+    }
+    // Completions: the legacy shape, and streaming chunks carry their tokens' logprobs.
+    let resp = r
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5,
+                   "logprobs": 2, "stream": true, "ignore_eos": true}),
+        )
+        .await;
+    let (events, done) = read_stream(resp).await;
+    assert!(done);
+    let tokens: usize = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["tokens"].as_array())
+        .map(Vec::len)
+        .sum();
+    assert_eq!(tokens, 5);
+}

@@ -397,7 +397,8 @@ async fn answers_the_endpoints_sglang_router_and_vllm_clients_use() {
         .await
         .unwrap();
     assert_eq!(d["prompt"], "Hello world");
-    // Unknown fields (sglang-router adds its own) are ignored; a batch prompt gets one choice each.
+    // Routers' bookkeeping fields (sglang-router's `rid`) and fields that ask for nothing pass;
+    // a batch prompt gets one choice each.
     let resp: Value = r
         .post(
             "/v1/completions",
@@ -410,6 +411,35 @@ async fn answers_the_endpoints_sglang_router_and_vllm_clients_use() {
         .unwrap();
     assert_eq!(resp["choices"].as_array().unwrap().len(), 2);
     assert_eq!(resp["usage"]["completion_tokens"], 6);
+    // A field the engine does not implement is refused, by name, not ignored.
+    let resp = r
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "hi"}],
+                   "response_format": {"type": "json_object"}}),
+        )
+        .await;
+    assert_eq!(resp.status(), 400);
+    let e: Value = resp.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "response_format");
+    // The sim has no logits, so it refuses logprobs rather than invent them.
+    let resp = r
+        .post(
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": "hi", "logprobs": 2}),
+        )
+        .await;
+    assert_eq!(resp.status(), 400);
+    // A model card by id.
+    let card = r.get_json("/v1/models/Qwen3-8B").await;
+    assert_eq!(card["id"], "Qwen3-8B");
+    let missing = r
+        .client
+        .get(format!("{}/v1/models/gpt-4", r.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
