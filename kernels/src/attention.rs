@@ -98,12 +98,14 @@ impl PagedKvCache {
         }
     }
 
-    /// Attention of one query head over positions `0..n_ctx` of a sequence: `q` is the head's
-    /// query (RoPE applied), `kv_head` the head it reads, `out` the `head_dim` result.
-    /// Positions are visited in order and the softmax is exact, so the result depends only on
-    /// the query and the cached values, never on how they were batched or chunked.
+    /// Attention of the query heads that share key/value head `kv_head` over positions
+    /// `0..n_ctx` of a sequence: `q` holds the group's queries (RoPE applied), one `head_dim`
+    /// run per head, and `out` receives one `head_dim` result per head. Each block's keys and
+    /// values are widened to f32 once for the whole group. Positions are visited in order and
+    /// the softmax is exact, so each head's result depends only on its query and the cached
+    /// values, never on how they were batched or chunked.
     #[allow(clippy::too_many_arguments)]
-    pub fn attend_head(
+    pub fn attend_group(
         &self,
         layer: usize,
         table: &[u32],
@@ -117,30 +119,39 @@ impl PagedKvCache {
         let s = &self.shape;
         let hd = s.head_dim;
         let bs = s.block_size;
-        let mut scores = Vec::with_capacity(n_ctx);
+        let group = q.len() / hd;
+        let mut scores = vec![0f32; group * n_ctx];
         scratch.resize(bs * hd, 0.0);
-        for (b, &block) in table.iter().enumerate().take(n_ctx.div_ceil(bs)) {
+        let blocks = table.iter().enumerate().take(n_ctx.div_ceil(bs));
+        for (b, &block) in blocks.clone() {
             let n = (n_ctx - b * bs).min(bs);
             let at = self.offset(layer, block as usize, kv_head, 0);
             self.k[at..at + n * hd]
                 .reinterpret_cast::<f16>()
                 .convert_to_f32_slice(&mut scratch[..n * hd]);
-            for key in scratch[..n * hd].chunks_exact(hd) {
-                scores.push(dot_f32(q, key) * scale);
+            for (g, qh) in q.chunks_exact(hd).enumerate() {
+                let row = &mut scores[g * n_ctx + b * bs..g * n_ctx + b * bs + n];
+                for (sc, key) in row.iter_mut().zip(scratch[..n * hd].chunks_exact(hd)) {
+                    *sc = dot_f32(qh, key) * scale;
+                }
             }
         }
-        crate::ops::softmax(&mut scores);
+        for row in scores.chunks_exact_mut(n_ctx) {
+            crate::ops::softmax(row);
+        }
         out.fill(0.0);
-        for (b, &block) in table.iter().enumerate().take(n_ctx.div_ceil(bs)) {
+        for (b, &block) in blocks {
             let n = (n_ctx - b * bs).min(bs);
             let at = self.offset(layer, block as usize, kv_head, 0);
             self.v[at..at + n * hd]
                 .reinterpret_cast::<f16>()
                 .convert_to_f32_slice(&mut scratch[..n * hd]);
-            for (j, val) in scratch[..n * hd].chunks_exact(hd).enumerate() {
-                let w = scores[b * bs + j];
-                for (o, &x) in out.iter_mut().zip(val) {
-                    *o += w * x;
+            for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
+                let w = &scores[g * n_ctx + b * bs..g * n_ctx + b * bs + n];
+                for (&wj, val) in w.iter().zip(scratch[..n * hd].chunks_exact(hd)) {
+                    for (o, &x) in oh.iter_mut().zip(val) {
+                        *o += wj * x;
+                    }
                 }
             }
         }
@@ -180,7 +191,7 @@ mod tests {
         let q: Vec<f32> = (0..8).map(|d| d as f32 / 10.0 - 0.3).collect();
         let mut out = vec![0f32; 8];
         let mut scratch = Vec::new();
-        cache.attend_head(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
+        cache.attend_group(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
         let mut w: Vec<f32> = (0..n_ctx)
             .map(|p| (0..8).map(|d| q[d] * dense_k[p][8 + d]).sum::<f32>() * 0.35)
             .collect();
@@ -192,7 +203,24 @@ mod tests {
         // A scribbled block changes the answer.
         let before = out.clone();
         cache.scribble_block(2);
-        cache.attend_head(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
+        cache.attend_group(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
         assert_ne!(before, out);
+        // Two heads sharing the KV head at once equal each alone.
+        let q2: Vec<f32> = q.iter().chain(q.iter().rev()).copied().collect();
+        let mut both = vec![0f32; 16];
+        cache.attend_group(1, &table, n_ctx, 1, &q2, 0.35, &mut both, &mut scratch);
+        assert_eq!(&both[..8], &out[..]);
+        let mut second = vec![0f32; 8];
+        cache.attend_group(
+            1,
+            &table,
+            n_ctx,
+            1,
+            &q2[8..],
+            0.35,
+            &mut second,
+            &mut scratch,
+        );
+        assert_eq!(&both[8..], &second[..]);
     }
 }

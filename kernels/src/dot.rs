@@ -1,18 +1,22 @@
-//! Dot products of one weight row with one activation row. The quantised ones sum each block in
-//! exact integers, then add `sumi × (d_w × d_x)` (+ `m_w × s_x` for Q4_1) to a float
-//! accumulator block by block, in order. The AVX2 versions compute the same integers with SIMD
-//! and do the same float operations in the same order, so their results equal the scalar
-//! reference bit for bit (a test checks it) and a machine without AVX2 gets the same logits.
+//! Dot products of one weight row with a tile of activation rows. The quantised ones follow
+//! llama.cpp's AVX2 scheme: per 32-value block, exact integer products summed in eight lanes of
+//! four, each lane converted to f32 and fused-multiply-added into an eight-lane float
+//! accumulator with the block's scale (`d_w × d_x`); Q4_1's minimum term (`m_w × s_x`) is summed
+//! separately; the lanes are reduced in a fixed tree at the end. The scalar reference performs
+//! exactly these operations in this order (`f32::mul_add` is the fused multiply-add), so the
+//! AVX2 path equals it bit for bit (a test checks), and each token's result depends only on its
+//! own activations: the same whatever else is in the tile. The AVX2 path unpacks each weight
+//! block once for the whole tile.
 
 use crate::quant::{f16_at, Format, Q8Row, QK};
 
-/// `w · x` for a quantised weight row and a quantised activation row.
-pub type QuantDot = fn(&[u8], &Q8Row) -> f32;
+/// `out[t] = w · xs[t]` for a quantised weight row and a tile of quantised activation rows.
+pub type QuantDot = fn(&[u8], &[Q8Row], &mut [f32]);
 
 /// The fastest implementation of the quantised dot product for `format` on this CPU.
 pub fn quant_dot(format: Format) -> QuantDot {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         return match format {
             Format::Q4_0 => avx2::q4_0,
             Format::Q4_1 => avx2::q4_1,
@@ -33,47 +37,91 @@ pub fn scalar_dot(format: Format) -> QuantDot {
     }
 }
 
-pub fn q4_1_scalar(w: &[u8], x: &Q8Row) -> f32 {
-    let mut acc = 0f32;
-    for (b, blk) in w.chunks_exact(20).enumerate() {
-        let qs = &x.qs[b * QK..(b + 1) * QK];
-        let mut sumi = 0i32;
-        for j in 0..16 {
-            let q = blk[4 + j];
-            sumi += (q & 0x0f) as i32 * qs[j] as i32 + (q >> 4) as i32 * qs[j + 16] as i32;
-        }
-        acc += sumi as f32 * (f16_at(blk, 0) * x.d[b]) + f16_at(blk, 2) * x.s[b];
-    }
-    acc
+/// The fixed reduction of eight lanes: (j, j+4), then (j, j+2), then (0, 1).
+#[inline]
+fn reduce(l: &[f32; 8]) -> f32 {
+    let s4 = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    let s2 = [s4[0] + s4[2], s4[1] + s4[3]];
+    s2[0] + s2[1]
 }
 
-pub fn q4_0_scalar(w: &[u8], x: &Q8Row) -> f32 {
-    let mut acc = 0f32;
-    for (b, blk) in w.chunks_exact(18).enumerate() {
-        let qs = &x.qs[b * QK..(b + 1) * QK];
-        let mut sumi = 0i32;
-        for j in 0..16 {
-            let q = blk[2 + j];
-            sumi += (q & 0x0f) as i32 * qs[j] as i32 + (q >> 4) as i32 * qs[j + 16] as i32;
+/// Scalar block kernel: `lane(j)` is the exact integer sum of weights `4j..4j+3` times their
+/// activations.
+#[inline]
+fn scalar_tile(
+    w: &[u8],
+    block_bytes: usize,
+    xs: &[Q8Row],
+    out: &mut [f32],
+    lanes_of: impl Fn(&[u8], &[i8]) -> [i32; 8],
+    min_of: impl Fn(&[u8]) -> Option<f32>,
+) {
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
+        for (b, blk) in w.chunks_exact(block_bytes).enumerate() {
+            let li = lanes_of(blk, &x.qs[b * QK..(b + 1) * QK]);
+            let d = f16_at(blk, 0) * x.d[b];
+            for j in 0..8 {
+                acc[j] = (li[j] as f32).mul_add(d, acc[j]);
+            }
+            if let Some(m) = min_of(blk) {
+                summs += m * x.s[b];
+            }
         }
-        sumi -= 8 * x.sum[b];
-        acc += sumi as f32 * (f16_at(blk, 0) * x.d[b]);
+        *o = reduce(&acc) + summs;
     }
-    acc
 }
 
-pub fn q8_0_scalar(w: &[u8], x: &Q8Row) -> f32 {
-    let mut acc = 0f32;
-    for (b, blk) in w.chunks_exact(34).enumerate() {
-        let qs = &x.qs[b * QK..(b + 1) * QK];
-        let sumi: i32 = blk[2..34]
-            .iter()
-            .zip(qs)
-            .map(|(&a, &c)| a as i8 as i32 * c as i32)
-            .sum();
-        acc += sumi as f32 * (f16_at(blk, 0) * x.d[b]);
+/// Weight `i` of a Q4 block (`qs` = the 16 packed bytes).
+#[inline]
+fn nibble(qs: &[u8], i: usize) -> i32 {
+    if i < 16 {
+        (qs[i] & 0x0f) as i32
+    } else {
+        (qs[i - 16] >> 4) as i32
     }
-    acc
+}
+
+fn lanes(f: impl Fn(usize) -> i32, x: &[i8]) -> [i32; 8] {
+    let mut l = [0i32; 8];
+    for (j, lj) in l.iter_mut().enumerate() {
+        *lj = (4 * j..4 * j + 4).map(|i| f(i) * x[i] as i32).sum();
+    }
+    l
+}
+
+pub fn q4_1_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    scalar_tile(
+        w,
+        20,
+        xs,
+        out,
+        |blk, x| lanes(|i| nibble(&blk[4..20], i), x),
+        |blk| Some(f16_at(blk, 2)),
+    );
+}
+
+pub fn q4_0_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    scalar_tile(
+        w,
+        18,
+        xs,
+        out,
+        |blk, x| lanes(|i| nibble(&blk[2..18], i) - 8, x),
+        |_| None,
+    );
+}
+
+pub fn q8_0_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    scalar_tile(
+        w,
+        34,
+        xs,
+        out,
+        |blk, x| lanes(|i| blk[2 + i] as i8 as i32, x),
+        |_| None,
+    );
 }
 
 /// `a · b` over f32 in eight fixed lanes (vectorisable, and the same order on every machine).
@@ -88,8 +136,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
             lanes[i] += x[i] * y[i];
         }
     }
-    let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    let mut s = reduce(&lanes);
     for (x, y) in ra.iter().zip(rb) {
         s += x * y;
     }
@@ -102,90 +149,114 @@ mod avx2 {
 
     use super::{f16_at, Q8Row, QK};
 
-    // Safe entry points: `quant_dot` hands these out only after detecting AVX2.
-    pub fn q4_1(w: &[u8], x: &Q8Row) -> f32 {
-        // SAFETY: chosen by `quant_dot` only when the CPU reports AVX2.
-        unsafe { q4_1_impl(w, x) }
+    /// Tokens whose accumulators one pass keeps.
+    const TILE: usize = 16;
+
+    // Safe entry points: `quant_dot` hands these out only after detecting AVX2 and FMA.
+    pub fn q4_1(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        // SAFETY: chosen by `quant_dot` only when the CPU reports AVX2 and FMA.
+        unsafe { tile::<20, 4, true, false>(w, xs, out) }
     }
 
-    pub fn q4_0(w: &[u8], x: &Q8Row) -> f32 {
-        // SAFETY: chosen by `quant_dot` only when the CPU reports AVX2.
-        unsafe { q4_0_impl(w, x) }
+    pub fn q4_0(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { tile::<18, 2, false, true>(w, xs, out) }
     }
 
-    pub fn q8_0(w: &[u8], x: &Q8Row) -> f32 {
-        // SAFETY: chosen by `quant_dot` only when the CPU reports AVX2.
-        unsafe { q8_0_impl(w, x) }
+    pub fn q8_0(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { q8_tile(w, xs, out) }
     }
 
     #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn hsum(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        _mm_cvtsi128_si32(s)
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn reduce(v: __m256) -> f32 {
+        // (j, j+4), then (j, j+2), then (0, 1): the scalar reference's tree.
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+        _mm_cvtss_f32(s1)
     }
 
-    /// Σ nibble × x over one block: 16 packed bytes against 32 signed activations.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn nibble_block_sum(qs: &[u8], x: &[i8]) -> i32 {
-        debug_assert!(qs.len() >= 16 && x.len() >= QK);
-        // SAFETY: the slices hold at least 16 and 32 bytes (checked by the callers' lengths);
-        // unaligned loads are used.
-        let raw = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+    /// Q4_0 / Q4_1 tiles. `BB` bytes per block, packed nibbles from byte `OFF`; `MIN`: the
+    /// block has a minimum (Q4_1); `SIGNED`: nibbles carry an offset of 8 (Q4_0).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile<const BB: usize, const OFF: usize, const MIN: bool, const SIGNED: bool>(
+        w: &[u8],
+        xs: &[Q8Row],
+        out: &mut [f32],
+    ) {
+        let nb = w.len() / BB;
+        for x in xs {
+            assert!(x.qs.len() >= nb * QK && x.d.len() >= nb && x.s.len() >= nb);
+        }
+        assert!(out.len() >= xs.len());
         let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(raw, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
-        let w = _mm256_set_m128i(hi, lo);
-        let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-        let p16 = _mm256_maddubs_epi16(w, xv);
-        hsum(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
-    }
-
-    #[target_feature(enable = "avx2")]
-    unsafe fn q4_1_impl(w: &[u8], x: &Q8Row) -> f32 {
-        let nb = w.len() / 20;
-        assert!(x.qs.len() >= nb * QK && x.d.len() >= nb && x.s.len() >= nb);
-        let mut acc = 0f32;
-        for b in 0..nb {
-            let blk = &w[b * 20..b * 20 + 20];
-            let sumi = nibble_block_sum(&blk[4..20], &x.qs[b * QK..b * QK + QK]);
-            acc += sumi as f32 * (f16_at(blk, 0) * x.d[b]) + f16_at(blk, 2) * x.s[b];
+        let ones = _mm256_set1_epi16(1);
+        let eight = _mm256_set1_epi8(8);
+        for (xt, ot) in xs.chunks(TILE).zip(out.chunks_mut(TILE)) {
+            let mut acc = [_mm256_setzero_ps(); TILE];
+            let mut summs = [0f32; TILE];
+            for b in 0..nb {
+                let blk = &w[b * BB..(b + 1) * BB];
+                // SAFETY: `blk[OFF..OFF + 16]` is in bounds (BB = OFF + 16).
+                let raw = _mm_loadu_si128(blk[OFF..].as_ptr() as *const __m128i);
+                let lo = _mm_and_si128(raw, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
+                let wv = _mm256_set_m128i(hi, lo);
+                let dw = f16_at(blk, 0);
+                let m = if MIN { f16_at(blk, 2) } else { 0.0 };
+                for (t, x) in xt.iter().enumerate() {
+                    // SAFETY: the activation block holds 32 bytes (asserted above).
+                    let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
+                    let p16 = if SIGNED {
+                        let ws = _mm256_sub_epi8(wv, eight);
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xv, ws))
+                    } else {
+                        _mm256_maddubs_epi16(wv, xv)
+                    };
+                    let li = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                    acc[t] = _mm256_fmadd_ps(li, _mm256_set1_ps(dw * x.d[b]), acc[t]);
+                    if MIN {
+                        summs[t] += m * x.s[b];
+                    }
+                }
+            }
+            for t in 0..xt.len() {
+                ot[t] = reduce(acc[t]) + summs[t];
+            }
         }
-        acc
     }
 
-    #[target_feature(enable = "avx2")]
-    unsafe fn q4_0_impl(w: &[u8], x: &Q8Row) -> f32 {
-        let nb = w.len() / 18;
-        assert!(x.qs.len() >= nb * QK && x.d.len() >= nb && x.sum.len() >= nb);
-        let mut acc = 0f32;
-        for b in 0..nb {
-            let blk = &w[b * 18..b * 18 + 18];
-            let sumi = nibble_block_sum(&blk[2..18], &x.qs[b * QK..b * QK + QK]) - 8 * x.sum[b];
-            acc += sumi as f32 * (f16_at(blk, 0) * x.d[b]);
-        }
-        acc
-    }
-
-    #[target_feature(enable = "avx2")]
-    unsafe fn q8_0_impl(w: &[u8], x: &Q8Row) -> f32 {
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q8_tile(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
         let nb = w.len() / 34;
-        assert!(x.qs.len() >= nb * QK && x.d.len() >= nb);
-        let mut acc = 0f32;
-        for b in 0..nb {
-            let blk = &w[b * 34..b * 34 + 34];
-            // SAFETY: `blk[2..34]` and the activation block are 32 bytes each.
-            let wv = _mm256_loadu_si256(blk[2..].as_ptr() as *const __m256i);
-            let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
-            // |w| × (x with w's sign): unsigned × signed, as maddubs needs (no -128 in Q8).
-            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            let sumi = hsum(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-            acc += sumi as f32 * (f16_at(blk, 0) * x.d[b]);
+        for x in xs {
+            assert!(x.qs.len() >= nb * QK && x.d.len() >= nb);
         }
-        acc
+        assert!(out.len() >= xs.len());
+        let ones = _mm256_set1_epi16(1);
+        for (xt, ot) in xs.chunks(TILE).zip(out.chunks_mut(TILE)) {
+            let mut acc = [_mm256_setzero_ps(); TILE];
+            for b in 0..nb {
+                let blk = &w[b * 34..b * 34 + 34];
+                // SAFETY: `blk[2..34]` is 32 bytes.
+                let wv = _mm256_loadu_si256(blk[2..].as_ptr() as *const __m256i);
+                let aw = _mm256_sign_epi8(wv, wv);
+                let dw = f16_at(blk, 0);
+                for (t, x) in xt.iter().enumerate() {
+                    // SAFETY: the activation block holds 32 bytes (asserted above).
+                    let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
+                    // |w| × (x with w's sign): unsigned × signed, as maddubs needs (Q8 has no -128).
+                    let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
+                    let li = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                    acc[t] = _mm256_fmadd_ps(li, _mm256_set1_ps(dw * x.d[b]), acc[t]);
+                }
+            }
+            for t in 0..xt.len() {
+                ot[t] = reduce(acc[t]);
+            }
+        }
     }
 }
 
@@ -207,22 +278,36 @@ mod tests {
     fn quantised_dots_match_a_naive_float_reference_and_simd_matches_scalar_exactly() {
         let n = 256;
         let w = data(n, 1);
-        let x = data(n, 99);
-        let xq = Q8Row::quantize(&x);
+        let xs: Vec<Vec<f32>> = (0..21).map(|t| data(n, 99 + t)).collect();
+        let xq: Vec<Q8Row> = xs.iter().map(|x| Q8Row::quantize(x)).collect();
         for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
             let wq = quantize_row(format, &w);
             let mut wd = vec![0f32; n];
             dequantize_row(format, &wq, &mut wd);
-            let naive: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
-            let scalar = scalar_dot(format)(&wq, &xq);
-            let fast = quant_dot(format)(&wq, &xq);
-            assert_eq!(scalar.to_bits(), fast.to_bits(), "{}", format.name());
-            let scale: f32 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
-            assert!(
-                (scalar - naive).abs() <= 0.01 * scale,
-                "{}: {scalar} vs {naive}",
-                format.name()
-            );
+            let mut scalar = vec![0f32; xs.len()];
+            let mut fast = vec![0f32; xs.len()];
+            scalar_dot(format)(&wq, &xq, &mut scalar);
+            quant_dot(format)(&wq, &xq, &mut fast);
+            for (t, x) in xs.iter().enumerate() {
+                assert_eq!(
+                    scalar[t].to_bits(),
+                    fast[t].to_bits(),
+                    "{} t{t}",
+                    format.name()
+                );
+                let naive: f32 = wd.iter().zip(x).map(|(a, b)| a * b).sum();
+                let scale: f32 = wd.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+                assert!(
+                    (scalar[t] - naive).abs() <= 0.01 * scale,
+                    "{}: {} vs {naive}",
+                    format.name(),
+                    scalar[t]
+                );
+                // A token alone gives the bit-identical result it gets in the tile.
+                let mut alone = [0f32];
+                quant_dot(format)(&wq, &xq[t..t + 1], &mut alone);
+                assert_eq!(alone[0].to_bits(), fast[t].to_bits());
+            }
         }
     }
 

@@ -24,5 +24,5 @@ pub mod ops;
 pub mod quant;
 
 pub use attention::{AttentionShape, PagedKvCache};
-pub use matrix::{matmul, Activations, Matrix, MatrixError};
+pub use matrix::{matmul, matmul_many, Activations, Matrix, MatrixError};
 pub use quant::Format;

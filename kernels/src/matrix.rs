@@ -206,58 +206,75 @@ const TOKEN_TILE: usize = 16;
 /// `out[t][n] = Σ_k x[t][k] · W[n][k]` for every activation row `t` and matrix row `n`;
 /// `out` holds `x.rows() × w.rows()` values.
 pub fn matmul(x: &Activations<'_>, w: &Matrix, out: &mut [f32]) {
-    assert_eq!(x.cols, w.cols, "matmul: inner dimensions differ");
-    let (t_rows, n_rows) = (x.rows, w.rows);
-    assert_eq!(
-        out.len(),
-        t_rows * n_rows,
-        "matmul: output has the wrong size"
-    );
-    if t_rows == 0 {
+    matmul_many(x, &mut [(w, out)]);
+}
+
+/// Several matmuls of the same input (a layer's Q, K and V, or its gate and up projections)
+/// in one parallel pass, so the threads are woken once rather than once per matrix.
+pub fn matmul_many(x: &Activations<'_>, jobs: &mut [(&Matrix, &mut [f32])]) {
+    let t_rows = x.rows;
+    for (w, out) in jobs.iter() {
+        assert_eq!(x.cols, w.cols, "matmul: inner dimensions differ");
+        assert_eq!(
+            out.len(),
+            t_rows * w.rows,
+            "matmul: output has the wrong size"
+        );
+    }
+    if t_rows == 0 || jobs.is_empty() {
         return;
     }
     let threads = rayon::current_num_threads().max(1);
-    let chunk = n_rows.div_ceil(threads * 4).clamp(16, 512);
-    let quant = w
-        .format
-        .is_quantized()
-        .then(|| (quant_dot(w.format), x.q8()));
+    let total: usize = jobs.iter().map(|(w, _)| w.rows).sum();
+    let chunk = total.div_ceil(threads * 4).clamp(16, 512);
+    // Tasks: (job, first row, end row).
+    let mut tasks = Vec::new();
+    for (j, (w, _)) in jobs.iter().enumerate() {
+        let mut n0 = 0;
+        while n0 < w.rows {
+            tasks.push((j, n0, (n0 + chunk).min(w.rows)));
+            n0 += chunk;
+        }
+    }
+    let q8 = jobs
+        .iter()
+        .any(|(w, _)| w.format.is_quantized())
+        .then(|| x.q8());
     // Each task computes a block of output columns for every token, transposed.
-    let blocks: Vec<(usize, Vec<f32>)> = (0..n_rows.div_ceil(chunk))
+    let blocks: Vec<(usize, usize, Vec<f32>)> = tasks
         .into_par_iter()
-        .map(|c| {
-            let n0 = c * chunk;
-            let n1 = (n0 + chunk).min(n_rows);
+        .map(|(j, n0, n1)| {
+            let w = jobs[j].0;
+            let dot = w.format.is_quantized().then(|| quant_dot(w.format));
             let mut res = vec![0f32; (n1 - n0) * t_rows];
             for t0 in (0..t_rows).step_by(TOKEN_TILE) {
                 let t1 = (t0 + TOKEN_TILE).min(t_rows);
                 for n in n0..n1 {
                     let dst = &mut res[(n - n0) * t_rows..(n - n0 + 1) * t_rows];
-                    match (&quant, &w.storage) {
-                        (Some((dot, q)), _) => {
-                            let wr = w.quant_row(n);
-                            for (d, qt) in dst[t0..t1].iter_mut().zip(&q[t0..t1]) {
-                                *d = dot(wr, qt);
-                            }
+                    match (dot, q8, &w.storage) {
+                        (Some(dot), Some(q), _) => {
+                            dot(w.quant_row(n), &q[t0..t1], &mut dst[t0..t1])
                         }
-                        (None, Storage::Dense(v)) => {
+                        (None, _, Storage::Dense(v)) => {
                             let wr = &v[n * w.cols..(n + 1) * w.cols];
                             for (t, d) in dst.iter_mut().enumerate().take(t1).skip(t0) {
                                 *d = dot_f32(wr, x.row(t));
                             }
                         }
-                        (None, Storage::Quant { .. }) => unreachable!("quantised storage"),
+                        _ => unreachable!("quantised matrices have quantised activations"),
                     }
                 }
             }
-            (n0, res)
+            (j, n0, res)
         })
         .collect();
-    for (n0, res) in blocks {
+    for (j, n0, res) in blocks {
+        let n_rows = jobs[j].0.rows;
+        let out = &mut jobs[j].1;
         let width = res.len() / t_rows;
         for t in 0..t_rows {
-            for j in 0..width {
-                out[t * n_rows + n0 + j] = res[j * t_rows + t];
+            for k in 0..width {
+                out[t * n_rows + n0 + k] = res[k * t_rows + t];
             }
         }
     }

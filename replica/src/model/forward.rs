@@ -9,7 +9,7 @@
 //! every reduction is fixed. Prefix reuse and batching are therefore exact, bit for bit.
 
 use kernels::ops::{add_assign, rms_norm_rows, rope_interleaved, silu_mul};
-use kernels::{matmul, Activations, PagedKvCache};
+use kernels::{matmul, matmul_many, Activations, PagedKvCache};
 use rayon::prelude::*;
 
 use super::weights::LlamaWeights;
@@ -74,9 +74,10 @@ pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -
         norm_rows(&x, &lw.attn_norm, c.rms_eps, &mut h);
         {
             let a = Activations::new(&h, hidden);
-            matmul(&a, &lw.wq, &mut q);
-            matmul(&a, &lw.wk, &mut k);
-            matmul(&a, &lw.wv, &mut v);
+            matmul_many(
+                &a,
+                &mut [(&lw.wq, &mut q), (&lw.wk, &mut k), (&lw.wv, &mut v)],
+            );
         }
         let rope_dims = c.rope.dims;
         q.par_chunks_mut(qd)
@@ -98,17 +99,20 @@ pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -
             );
         }
         let cache: &PagedKvCache = kv;
-        attn.par_chunks_mut(hd)
+        // One task per (token, key/value head): the query heads of a group read the same
+        // blocks, which are widened to f32 once for all of them.
+        let gw = group * hd;
+        attn.par_chunks_mut(gw)
             .enumerate()
             .for_each_init(Vec::new, |scratch, (i, out)| {
-                let (t, head) = (i / c.heads, i % c.heads);
+                let (t, kvh) = (i / c.kv_heads, i % c.kv_heads);
                 let sl = &seqs[owner[t]];
-                cache.attend_head(
+                cache.attend_group(
                     layer,
                     sl.table,
                     pos[t] + 1,
-                    head / group,
-                    &q[t * qd + head * hd..t * qd + (head + 1) * hd],
+                    kvh,
+                    &q[t * qd + kvh * gw..t * qd + (kvh + 1) * gw],
                     scale,
                     out,
                     scratch,
@@ -120,8 +124,7 @@ pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -
         norm_rows(&x, &lw.ffn_norm, c.rms_eps, &mut h);
         {
             let a = Activations::new(&h, hidden);
-            matmul(&a, &lw.w_gate, &mut gate);
-            matmul(&a, &lw.w_up, &mut up);
+            matmul_many(&a, &mut [(&lw.w_gate, &mut gate), (&lw.w_up, &mut up)]);
         }
         gate.par_chunks_mut(c.intermediate)
             .zip(up.par_chunks(c.intermediate))
