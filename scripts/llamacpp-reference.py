@@ -8,6 +8,7 @@ prompts on kvgate's engine and compares.
 
     scripts/llamacpp-reference.py            # builds llama-cpp-python into .venv-llamacpp once
     scripts/llamacpp-reference.py --bench    # also times decode and prefill (for BENCHMARKS)
+    scripts/llamacpp-reference.py --bench-only   # only the timing, reference left as it is
 
 Building llama-cpp-python from source takes about ten minutes on two cores; the result is
 committed (replica/tests/data/llamacpp_smollm2.json), so the test suite never builds it.
@@ -26,7 +27,7 @@ OUT = os.path.join(ROOT, "replica/tests/data/llamacpp_smollm2.json")
 VERSION = "0.3.16"
 STEPS = 32
 TOP = 5
-THREADS = 2
+THREADS = int(os.environ.get("KVGATE_THREADS", "2"))
 
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 QUESTIONS = [
@@ -70,6 +71,9 @@ def main():
 
     llm = llama_cpp.Llama(model_path=MODEL, n_ctx=2048, n_threads=THREADS, n_batch=512,
                           logits_all=False, verbose=False)
+    if "--bench-only" in sys.argv:
+        bench(llm, llama_cpp)
+        return
     sha = hashlib.sha256(open(MODEL, "rb").read()).hexdigest()
     n_vocab = llm.n_vocab()
 

@@ -866,7 +866,7 @@ async fn run_bench(a: BenchArgs) -> Result<()> {
         .or_else(protocol::tokenizer::default_tokenizer_dir);
     let tok = tok_dir
         .as_ref()
-        .and_then(|d| protocol::tokenizer::TextTokenizer::from_dir(d).ok());
+        .and_then(|d| protocol::tokenizer::TextTokenizer::from_path(d).ok());
     if tok.is_none() {
         eprintln!("no tokenizer found: the oracle hit ratio is left out (pass --tokenizer DIR)");
     }

@@ -16,6 +16,19 @@ pub type QuantDot = fn(&[u8], &[Q8Row], &mut [f32]);
 /// The fastest implementation of the quantised dot product for `format` on this CPU.
 pub fn quant_dot(format: Format) -> QuantDot {
     #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("avx512vnni")
+        && std::is_x86_feature_detected!("avx512vl")
+    {
+        return match format {
+            Format::Q4_0 => avx2::q4_0_vnni,
+            Format::Q4_1 => avx2::q4_1_vnni,
+            Format::Q8_0 => avx2::q8_0_vnni,
+            _ => panic!("{} is not a quantised format", format.name()),
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         return match format {
             Format::Q4_0 => avx2::q4_0,
@@ -124,7 +137,23 @@ pub fn q8_0_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
     );
 }
 
+/// The AVX2 implementation without AVX-512 VNNI, even where VNNI is available (tests compare
+/// the two).
+#[cfg(target_arch = "x86_64")]
+pub fn avx2_dot(format: Format) -> Option<QuantDot> {
+    if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+        return None;
+    }
+    Some(match format {
+        Format::Q4_0 => avx2::q4_0,
+        Format::Q4_1 => avx2::q4_1,
+        Format::Q8_0 => avx2::q8_0,
+        _ => panic!("{} is not a quantised format", format.name()),
+    })
+}
+
 /// `a · b` over f32 in eight fixed lanes (vectorisable, and the same order on every machine).
+#[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut lanes = [0f32; 8];
@@ -152,24 +181,78 @@ mod avx2 {
     /// Tokens whose accumulators one pass keeps.
     const TILE: usize = 16;
 
-    // Safe entry points: `quant_dot` hands these out only after detecting AVX2 and FMA.
+    // Safe entry points: `quant_dot` / `avx2_dot` hand these out only after detecting AVX2
+    // and FMA (and, for the `_vnni` ones, AVX-512 VNNI and VL).
     pub fn q4_1(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
-        // SAFETY: chosen by `quant_dot` only when the CPU reports AVX2 and FMA.
-        unsafe { tile::<20, 4, true, false>(w, xs, out) }
+        // SAFETY: chosen only when the CPU reports AVX2 and FMA.
+        unsafe { tile_avx2::<20, 4, true, false>(w, xs, out) }
     }
 
     pub fn q4_0(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { tile::<18, 2, false, true>(w, xs, out) }
+        unsafe { tile_avx2::<18, 2, false, true>(w, xs, out) }
     }
 
     pub fn q8_0(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { q8_tile(w, xs, out) }
+        unsafe { q8_tile_avx2(w, xs, out) }
     }
 
-    #[inline]
+    pub fn q4_1_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        // SAFETY: chosen only when the CPU reports AVX2, FMA, AVX-512 VNNI and VL.
+        unsafe { tile_vnni::<20, 4, true, false>(w, xs, out) }
+    }
+
+    pub fn q4_0_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { tile_vnni::<18, 2, false, true>(w, xs, out) }
+    }
+
+    pub fn q8_0_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { q8_tile_vnni(w, xs, out) }
+    }
+
     #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_avx2<const BB: usize, const OFF: usize, const MIN: bool, const SIGNED: bool>(
+        w: &[u8],
+        xs: &[Q8Row],
+        out: &mut [f32],
+    ) {
+        tile::<BB, OFF, MIN, SIGNED, false>(w, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn tile_vnni<const BB: usize, const OFF: usize, const MIN: bool, const SIGNED: bool>(
+        w: &[u8],
+        xs: &[Q8Row],
+        out: &mut [f32],
+    ) {
+        tile::<BB, OFF, MIN, SIGNED, true>(w, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q8_tile_avx2(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        q8_tile::<false>(w, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q8_tile_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+        q8_tile::<true>(w, xs, out)
+    }
+
+    /// Lane j = Σ of the products of bytes 4j..4j+3 (`u` unsigned, `s` signed), exactly:
+    /// one VNNI instruction, or AVX2's pairwise multiply-add twice (no saturation: |u| ≤ 127).
+    #[inline(always)]
+    unsafe fn dot4<const VNNI: bool>(u: __m256i, s: __m256i) -> __m256i {
+        if VNNI {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+        } else {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+        }
+    }
+
+    #[inline(always)]
     unsafe fn reduce(v: __m256) -> f32 {
         // (j, j+4), then (j, j+2), then (0, 1): the scalar reference's tree.
         let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -179,9 +262,16 @@ mod avx2 {
     }
 
     /// Q4_0 / Q4_1 tiles. `BB` bytes per block, packed nibbles from byte `OFF`; `MIN`: the
-    /// block has a minimum (Q4_1); `SIGNED`: nibbles carry an offset of 8 (Q4_0).
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile<const BB: usize, const OFF: usize, const MIN: bool, const SIGNED: bool>(
+    /// block has a minimum (Q4_1); `SIGNED`: nibbles carry an offset of 8 (Q4_0). Inlined into
+    /// the wrappers above, which set the target features.
+    #[inline(always)]
+    unsafe fn tile<
+        const BB: usize,
+        const OFF: usize,
+        const MIN: bool,
+        const SIGNED: bool,
+        const VNNI: bool,
+    >(
         w: &[u8],
         xs: &[Q8Row],
         out: &mut [f32],
@@ -192,7 +282,6 @@ mod avx2 {
         }
         assert!(out.len() >= xs.len());
         let mask = _mm_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
         let eight = _mm256_set1_epi8(8);
         for (xt, ot) in xs.chunks(TILE).zip(out.chunks_mut(TILE)) {
             let mut acc = [_mm256_setzero_ps(); TILE];
@@ -209,13 +298,13 @@ mod avx2 {
                 for (t, x) in xt.iter().enumerate() {
                     // SAFETY: the activation block holds 32 bytes (asserted above).
                     let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
-                    let p16 = if SIGNED {
+                    let p32 = if SIGNED {
                         let ws = _mm256_sub_epi8(wv, eight);
-                        _mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xv, ws))
+                        dot4::<VNNI>(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xv, ws))
                     } else {
-                        _mm256_maddubs_epi16(wv, xv)
+                        dot4::<VNNI>(wv, xv)
                     };
-                    let li = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                    let li = _mm256_cvtepi32_ps(p32);
                     acc[t] = _mm256_fmadd_ps(li, _mm256_set1_ps(dw * x.d[b]), acc[t]);
                     if MIN {
                         summs[t] += m * x.s[b];
@@ -228,14 +317,13 @@ mod avx2 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn q8_tile(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    #[inline(always)]
+    unsafe fn q8_tile<const VNNI: bool>(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
         let nb = w.len() / 34;
         for x in xs {
             assert!(x.qs.len() >= nb * QK && x.d.len() >= nb);
         }
         assert!(out.len() >= xs.len());
-        let ones = _mm256_set1_epi16(1);
         for (xt, ot) in xs.chunks(TILE).zip(out.chunks_mut(TILE)) {
             let mut acc = [_mm256_setzero_ps(); TILE];
             for b in 0..nb {
@@ -248,8 +336,7 @@ mod avx2 {
                     // SAFETY: the activation block holds 32 bytes (asserted above).
                     let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
                     // |w| × (x with w's sign): unsigned × signed, as maddubs needs (Q8 has no -128).
-                    let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-                    let li = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                    let li = _mm256_cvtepi32_ps(dot4::<VNNI>(aw, _mm256_sign_epi8(xv, wv)));
                     acc[t] = _mm256_fmadd_ps(li, _mm256_set1_ps(dw * x.d[b]), acc[t]);
                 }
             }
@@ -288,6 +375,17 @@ mod tests {
             let mut fast = vec![0f32; xs.len()];
             scalar_dot(format)(&wq, &xq, &mut scalar);
             quant_dot(format)(&wq, &xq, &mut fast);
+            #[cfg(target_arch = "x86_64")]
+            if let Some(avx2) = avx2_dot(format) {
+                let mut plain = vec![0f32; xs.len()];
+                avx2(&wq, &xq, &mut plain);
+                assert_eq!(
+                    plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{}: AVX2 and the fastest path differ",
+                    format.name()
+                );
+            }
             for (t, x) in xs.iter().enumerate() {
                 assert_eq!(
                     scalar[t].to_bits(),
