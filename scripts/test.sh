@@ -19,7 +19,7 @@ fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-{ cargo build --workspace --locked && cargo test --workspace --locked; } 2>&1 | tee "$log"
+{ cargo build --workspace --locked && cargo test --workspace --locked --no-fail-fast; } 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')

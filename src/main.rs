@@ -782,13 +782,18 @@ async fn run_up(a: UpArgs) -> Result<()> {
     // The gateway has drained: nothing is in flight at the replicas. Closing their stdin
     // makes each drain and exit; one that does not within 10 s is killed.
     println!("stopping {n} replicas");
-    for (mut child, _) in children {
+    let mut children: Vec<tokio::process::Child> =
+        children.into_iter().map(|(child, _)| child).collect();
+    for child in &mut children {
         drop(child.stdin.take());
-        match tokio::time::timeout(std::time::Duration::from_secs(10), child.wait()).await {
-            Ok(_) => {}
-            Err(_) => {
-                let _ = child.kill().await;
-            }
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    for child in &mut children {
+        if tokio::time::timeout_at(deadline, child.wait())
+            .await
+            .is_err()
+        {
+            let _ = child.kill().await;
         }
     }
     result

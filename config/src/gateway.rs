@@ -428,6 +428,21 @@ impl GatewayConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut v = Validator::new();
+        for (field, addr) in [
+            ("listen", &self.listen),
+            ("admin_listen", &self.admin_listen),
+        ] {
+            // host:port with a port the OS can bind (0 picks a free one); [v6]:port too.
+            let ok = addr.rsplit_once(':').is_some_and(|(h, p)| {
+                !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok()
+            });
+            v.check(
+                ok,
+                field,
+                format!("{addr:?}"),
+                "must be host:port, e.g. \"127.0.0.1:8080\"",
+            );
+        }
         v.check(
             !self.replicas.is_empty(),
             "replicas",
@@ -599,6 +614,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("listed twice"), "{e}");
+    }
+
+    #[test]
+    fn listen_addresses_must_be_host_and_port() {
+        for bad in ["not-an-addr", "127.0.0.1:99999", ":8080"] {
+            let e = GatewayConfig::from_toml(&format!(
+                "listen = {bad:?}\nreplicas = [\"127.0.0.1:8001\"]"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("listen") && e.contains("host:port"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(
+            GatewayConfig::from_toml("listen = \"[::1]:0\"\nreplicas = [\"127.0.0.1:8001\"]")
+                .is_ok()
+        );
     }
 
     #[test]

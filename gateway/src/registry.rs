@@ -258,6 +258,16 @@ impl Registry {
     }
 
     /// Every slot's replica (retired ones included; check [`ReplicaHandle::is_retired`]).
+    /// Stops every replica's health check, load poll and KV event stream (the gateway has
+    /// drained and is exiting).
+    pub fn stop_background(&self) {
+        for r in self.replicas().iter() {
+            for t in r.tasks.lock().drain(..) {
+                t.abort();
+            }
+        }
+    }
+
     pub fn replicas(&self) -> Arc<Vec<Arc<ReplicaHandle>>> {
         self.replicas.load_full()
     }

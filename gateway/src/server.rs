@@ -399,6 +399,9 @@ impl GatewayServer {
             tracing::info!("drained");
         }
         admin_task.abort();
+        // Stop health checks, load polls and KV event streams: the gateway is done with its
+        // replicas (and they may be stopping too).
+        self.state.router.registry.stop_background();
     }
 }
 

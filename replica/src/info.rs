@@ -139,12 +139,19 @@ pub fn kv_events(state: &AppState) -> Response<Body> {
     let (snapshot, mut rx) = state.hub.subscribe();
     let (tx, resp) = streaming_response("application/vnd.kvgate.kv-events");
     let replica = state.info.replica_id.clone();
+    let closed = state.hub.closed();
     tokio::spawn(async move {
+        tokio::pin!(closed);
         if tx.send(snapshot).await.is_err() {
             return;
         }
         loop {
-            let frame: Bytes = match rx.recv().await {
+            let next = tokio::select! {
+                r = rx.recv() => r,
+                // Shutting down: end the stream so the connection can drain.
+                _ = &mut closed => return,
+            };
+            let frame: Bytes = match next {
                 Ok(f) => f,
                 Err(RecvError::Lagged(n)) => {
                     tracing::warn!(%replica, missed = n, "KV event subscriber lagged; closing its stream");

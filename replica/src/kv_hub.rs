@@ -83,6 +83,7 @@ pub struct KvEventHub {
     block_size: u32,
     mirror: Mutex<Mirror>,
     tx: broadcast::Sender<Bytes>,
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 /// One wire frame: the batch of `events`, stamped now, numbered `seq`.
@@ -108,6 +109,21 @@ impl KvEventHub {
             block_size: block_size as u32,
             mirror: Mutex::new(Mirror::default()),
             tx,
+            closing: tokio::sync::watch::channel(false).0,
+        }
+    }
+
+    /// Ends every subscriber's stream (the replica is shutting down: an endless `/kv_events`
+    /// response must not hold its connection open through the drain).
+    pub fn close(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves once [`KvEventHub::close`] has been called.
+    pub fn closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closing.subscribe();
+        async move {
+            let _ = rx.wait_for(|c| *c).await;
         }
     }
 

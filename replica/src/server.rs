@@ -277,6 +277,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    state.hub.close();
     if drain.is_zero() {
         let _ = closing_tx.send(2);
         return;

@@ -83,7 +83,17 @@ async fn the_access_log_records_route_replica_tokens_and_timers() {
         .post("/v1/completions", json!({"model": "nope", "prompt": "x"}))
         .await;
     assert_eq!(bad.status(), 404);
-    let text = std::fs::read_to_string(&path).unwrap();
+    // The line is written as the request ends, which may be just after the client has its
+    // answer: poll (bounded) rather than read once.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let text = loop {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if text.lines().count() >= 2 || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let _ = std::fs::remove_file(&path);
     let lines: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
