@@ -8,10 +8,10 @@
 //! own activations: the same whatever else is in the tile. The AVX2 path unpacks each weight
 //! block once for the whole tile.
 
-use crate::quant::{f16_at, Format, Q8Row, QK};
+use crate::quant::{f16_at, Format, Q8Tile, QK, TILE};
 
-/// `out[t] = w · xs[t]` for a quantised weight row and a tile of quantised activation rows.
-pub type QuantDot = fn(&[u8], &[Q8Row], &mut [f32]);
+/// `out[t] = w · x_t` for a quantised weight row and each token `t` of a packed tile.
+pub type QuantDot = fn(&[u8], &Q8Tile, &mut [f32]);
 
 /// The fastest implementation of the quantised dot product for `format` on this CPU.
 pub fn quant_dot(format: Format) -> QuantDot {
@@ -58,28 +58,28 @@ fn reduce(l: &[f32; 8]) -> f32 {
     s2[0] + s2[1]
 }
 
-/// Scalar block kernel: `lane(j)` is the exact integer sum of weights `4j..4j+3` times their
-/// activations.
+/// Scalar block kernel: `lanes_of` gives the exact integer sum of weights `4j..4j+3` times
+/// their activations, lane by lane; `min_of` the block's minimum (Q4_1).
 #[inline]
 fn scalar_tile(
     w: &[u8],
     block_bytes: usize,
-    xs: &[Q8Row],
+    x: &Q8Tile,
     out: &mut [f32],
     lanes_of: impl Fn(&[u8], &[i8]) -> [i32; 8],
     min_of: impl Fn(&[u8]) -> Option<f32>,
 ) {
-    for (x, o) in xs.iter().zip(out.iter_mut()) {
+    for (t, o) in out.iter_mut().enumerate().take(x.n) {
         let mut acc = [0f32; 8];
         let mut summs = 0f32;
         for (b, blk) in w.chunks_exact(block_bytes).enumerate() {
-            let li = lanes_of(blk, &x.qs[b * QK..(b + 1) * QK]);
-            let d = f16_at(blk, 0) * x.d[b];
+            let li = lanes_of(blk, x.block(t, b));
+            let d = f16_at(blk, 0) * x.d[b * TILE + t];
             for j in 0..8 {
                 acc[j] = (li[j] as f32).mul_add(d, acc[j]);
             }
             if let Some(m) = min_of(blk) {
-                summs += m * x.s[b];
+                summs += m * x.s[b * TILE + t];
             }
         }
         *o = reduce(&acc) + summs;
@@ -104,33 +104,33 @@ fn lanes(f: impl Fn(usize) -> i32, x: &[i8]) -> [i32; 8] {
     l
 }
 
-pub fn q4_1_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+pub fn q4_1_scalar(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
     scalar_tile(
         w,
         20,
-        xs,
+        x,
         out,
         |blk, x| lanes(|i| nibble(&blk[4..20], i), x),
         |blk| Some(f16_at(blk, 2)),
     );
 }
 
-pub fn q4_0_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+pub fn q4_0_scalar(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
     scalar_tile(
         w,
         18,
-        xs,
+        x,
         out,
         |blk, x| lanes(|i| nibble(&blk[2..18], i) - 8, x),
         |_| None,
     );
 }
 
-pub fn q8_0_scalar(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+pub fn q8_0_scalar(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
     scalar_tile(
         w,
         34,
-        xs,
+        x,
         out,
         |blk, x| lanes(|i| blk[2 + i] as i8 as i32, x),
         |_| None,
@@ -176,69 +176,56 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{f16_at, Q8Row, QK};
-
-    /// Tokens whose accumulators one pass keeps.
-    const TILE: usize = 16;
+    use super::{f16_at, Q8Tile, QK, TILE};
 
     // Safe entry points: `quant_dot` / `avx2_dot` hand these out only after detecting AVX2
     // and FMA (and, for the `_vnni` ones, AVX-512 VNNI and VL).
-    pub fn q4_1(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    pub fn q4_1(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
         // SAFETY: chosen only when the CPU reports AVX2 and FMA.
-        unsafe { tile_avx2::<20, 4, true, false>(w, xs, out) }
+        unsafe { tile_avx2::<20, 4, true, false>(w, x, out) }
     }
 
-    pub fn q4_0(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    pub fn q4_0(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { tile_avx2::<18, 2, false, true>(w, xs, out) }
+        unsafe { tile_avx2::<18, 2, false, true>(w, x, out) }
     }
 
-    pub fn q8_0(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    pub fn q8_0(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { q8_tile_avx2(w, xs, out) }
+        unsafe { tile_avx2::<34, 2, false, false>(w, x, out) }
     }
 
-    pub fn q4_1_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    pub fn q4_1_vnni(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
         // SAFETY: chosen only when the CPU reports AVX2, FMA, AVX-512 VNNI and VL.
-        unsafe { tile_vnni::<20, 4, true, false>(w, xs, out) }
+        unsafe { tile_vnni::<20, 4, true, false>(w, x, out) }
     }
 
-    pub fn q4_0_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    pub fn q4_0_vnni(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { tile_vnni::<18, 2, false, true>(w, xs, out) }
+        unsafe { tile_vnni::<18, 2, false, true>(w, x, out) }
     }
 
-    pub fn q8_0_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
+    pub fn q8_0_vnni(w: &[u8], x: &Q8Tile, out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { q8_tile_vnni(w, xs, out) }
+        unsafe { tile_vnni::<34, 2, false, false>(w, x, out) }
     }
 
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile_avx2<const BB: usize, const OFF: usize, const MIN: bool, const SIGNED: bool>(
         w: &[u8],
-        xs: &[Q8Row],
+        x: &Q8Tile,
         out: &mut [f32],
     ) {
-        tile::<BB, OFF, MIN, SIGNED, false>(w, xs, out)
+        tile::<BB, OFF, MIN, SIGNED, false>(w, x, out)
     }
 
     #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
     unsafe fn tile_vnni<const BB: usize, const OFF: usize, const MIN: bool, const SIGNED: bool>(
         w: &[u8],
-        xs: &[Q8Row],
+        x: &Q8Tile,
         out: &mut [f32],
     ) {
-        tile::<BB, OFF, MIN, SIGNED, true>(w, xs, out)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn q8_tile_avx2(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
-        q8_tile::<false>(w, xs, out)
-    }
-
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn q8_tile_vnni(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
-        q8_tile::<true>(w, xs, out)
+        tile::<BB, OFF, MIN, SIGNED, true>(w, x, out)
     }
 
     /// Lane j = Σ of the products of bytes 4j..4j+3 (`u` unsigned, `s` signed), exactly:
@@ -261,9 +248,12 @@ mod avx2 {
         _mm_cvtss_f32(s1)
     }
 
-    /// Q4_0 / Q4_1 tiles. `BB` bytes per block, packed nibbles from byte `OFF`; `MIN`: the
-    /// block has a minimum (Q4_1); `SIGNED`: nibbles carry an offset of 8 (Q4_0). Inlined into
-    /// the wrappers above, which set the target features.
+    /// One weight row against a tile of up to eight tokens, accumulators in registers. `BB`
+    /// bytes per block; values from byte `OFF`: packed nibbles (Q4_*, `BB = OFF + 16`) or
+    /// signed bytes (Q8_0, `BB = OFF + 32`). `MIN`: the block has a minimum (Q4_1); `SIGNED`:
+    /// nibbles carry an offset of 8 (Q4_0). The eight products `d_w × d_x[t]` come from one
+    /// vector multiply and are broadcast per token; Q4_1's `m_w × s_x[t]` terms are summed for
+    /// the eight tokens in one vector. Each token's operations are the scalar reference's.
     #[inline(always)]
     unsafe fn tile<
         const BB: usize,
@@ -273,76 +263,79 @@ mod avx2 {
         const VNNI: bool,
     >(
         w: &[u8],
-        xs: &[Q8Row],
+        x: &Q8Tile,
         out: &mut [f32],
     ) {
         let nb = w.len() / BB;
-        for x in xs {
-            assert!(x.qs.len() >= nb * QK && x.d.len() >= nb && x.s.len() >= nb);
-        }
-        assert!(out.len() >= xs.len());
+        assert!(x.nb == nb && x.qs.len() >= x.n * nb * QK);
+        assert!(x.d.len() >= nb * TILE && x.s.len() >= nb * TILE && out.len() >= x.n);
+        let n = x.n;
+        let q8 = BB == OFF + 32;
         let mask = _mm_set1_epi8(0x0f);
         let eight = _mm256_set1_epi8(8);
-        for (xt, ot) in xs.chunks(TILE).zip(out.chunks_mut(TILE)) {
-            let mut acc = [_mm256_setzero_ps(); TILE];
-            let mut summs = [0f32; TILE];
-            for b in 0..nb {
-                let blk = &w[b * BB..(b + 1) * BB];
-                // SAFETY: `blk[OFF..OFF + 16]` is in bounds (BB = OFF + 16).
+        let mut acc = [_mm256_setzero_ps(); TILE];
+        let mut summs = _mm256_setzero_ps();
+        for b in 0..nb {
+            let blk = &w[b * BB..(b + 1) * BB];
+            // SAFETY: `blk` holds `BB` bytes: 16 packed bytes from OFF (Q4), 32 from OFF (Q8).
+            let wv = if q8 {
+                _mm256_loadu_si256(blk[OFF..].as_ptr() as *const __m256i)
+            } else {
                 let raw = _mm_loadu_si128(blk[OFF..].as_ptr() as *const __m128i);
                 let lo = _mm_and_si128(raw, mask);
                 let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
-                let wv = _mm256_set_m128i(hi, lo);
-                let dw = f16_at(blk, 0);
-                let m = if MIN { f16_at(blk, 2) } else { 0.0 };
-                for (t, x) in xt.iter().enumerate() {
-                    // SAFETY: the activation block holds 32 bytes (asserted above).
-                    let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
-                    let p32 = if SIGNED {
-                        let ws = _mm256_sub_epi8(wv, eight);
-                        dot4::<VNNI>(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xv, ws))
-                    } else {
-                        dot4::<VNNI>(wv, xv)
+                _mm256_set_m128i(hi, lo)
+            };
+            // Unsigned operand and the sign to move onto the activations.
+            let (uw, sw) = if q8 {
+                (_mm256_sign_epi8(wv, wv), Some(wv))
+            } else if SIGNED {
+                let ws = _mm256_sub_epi8(wv, eight);
+                (_mm256_sign_epi8(ws, ws), Some(ws))
+            } else {
+                (wv, None)
+            };
+            // SAFETY: `d` and `s` hold TILE floats per block (asserted above).
+            let dprod = _mm256_mul_ps(
+                _mm256_set1_ps(f16_at(blk, 0)),
+                _mm256_loadu_ps(x.d[b * TILE..].as_ptr()),
+            );
+            if MIN {
+                let m = _mm256_set1_ps(f16_at(blk, 2));
+                let sx = _mm256_loadu_ps(x.s[b * TILE..].as_ptr());
+                summs = _mm256_add_ps(summs, _mm256_mul_ps(m, sx));
+            }
+            // A macro, not a closure: a closure would not inherit the wrapper's target features.
+            macro_rules! token {
+                ($t:expr, $a:expr) => {{
+                    let t: usize = $t;
+                    // SAFETY: token t's block is 32 bytes inside `qs` (asserted above).
+                    let xv =
+                        _mm256_loadu_si256(x.qs[(t * nb + b) * QK..].as_ptr() as *const __m256i);
+                    let xs = match sw {
+                        Some(sign) => _mm256_sign_epi8(xv, sign),
+                        None => xv,
                     };
-                    let li = _mm256_cvtepi32_ps(p32);
-                    acc[t] = _mm256_fmadd_ps(li, _mm256_set1_ps(dw * x.d[b]), acc[t]);
-                    if MIN {
-                        summs[t] += m * x.s[b];
-                    }
+                    let li = _mm256_cvtepi32_ps(dot4::<VNNI>(uw, xs));
+                    let d = _mm256_permutevar8x32_ps(dprod, _mm256_set1_epi32(t as i32));
+                    *$a = _mm256_fmadd_ps(li, d, *$a);
+                }};
+            }
+            // A full tile has a constant trip count, so the accumulators stay in registers.
+            if n == TILE {
+                for (t, a) in acc.iter_mut().enumerate() {
+                    token!(t, a);
+                }
+            } else {
+                for (t, a) in acc.iter_mut().enumerate().take(n) {
+                    token!(t, a);
                 }
             }
-            for t in 0..xt.len() {
-                ot[t] = reduce(acc[t]) + summs[t];
-            }
         }
-    }
-
-    #[inline(always)]
-    unsafe fn q8_tile<const VNNI: bool>(w: &[u8], xs: &[Q8Row], out: &mut [f32]) {
-        let nb = w.len() / 34;
-        for x in xs {
-            assert!(x.qs.len() >= nb * QK && x.d.len() >= nb);
-        }
-        assert!(out.len() >= xs.len());
-        for (xt, ot) in xs.chunks(TILE).zip(out.chunks_mut(TILE)) {
-            let mut acc = [_mm256_setzero_ps(); TILE];
-            for b in 0..nb {
-                let blk = &w[b * 34..b * 34 + 34];
-                // SAFETY: `blk[2..34]` is 32 bytes.
-                let wv = _mm256_loadu_si256(blk[2..].as_ptr() as *const __m256i);
-                let aw = _mm256_sign_epi8(wv, wv);
-                let dw = f16_at(blk, 0);
-                for (t, x) in xt.iter().enumerate() {
-                    // SAFETY: the activation block holds 32 bytes (asserted above).
-                    let xv = _mm256_loadu_si256(x.qs[b * QK..].as_ptr() as *const __m256i);
-                    // |w| × (x with w's sign): unsigned × signed, as maddubs needs (Q8 has no -128).
-                    let li = _mm256_cvtepi32_ps(dot4::<VNNI>(aw, _mm256_sign_epi8(xv, wv)));
-                    acc[t] = _mm256_fmadd_ps(li, _mm256_set1_ps(dw * x.d[b]), acc[t]);
-                }
-            }
-            for t in 0..xt.len() {
-                ot[t] = reduce(acc[t]);
-            }
+        let mut sm = [0f32; TILE];
+        _mm256_storeu_ps(sm.as_mut_ptr(), summs);
+        for t in 0..n {
+            out[t] = reduce(acc[t]) + sm[t];
         }
     }
 }
@@ -350,7 +343,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{dequantize_row, quantize_row};
+    use crate::quant::{dequantize_row, quantize_row, Q8Row};
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -365,8 +358,9 @@ mod tests {
     fn quantised_dots_match_a_naive_float_reference_and_simd_matches_scalar_exactly() {
         let n = 256;
         let w = data(n, 1);
-        let xs: Vec<Vec<f32>> = (0..21).map(|t| data(n, 99 + t)).collect();
-        let xq: Vec<Q8Row> = xs.iter().map(|x| Q8Row::quantize(x)).collect();
+        let xs: Vec<Vec<f32>> = (0..8).map(|t| data(n, 99 + t)).collect();
+        let rows: Vec<Q8Row> = xs.iter().map(|x| Q8Row::quantize(x)).collect();
+        let xq = Q8Tile::pack(&rows);
         for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
             let wq = quantize_row(format, &w);
             let mut wd = vec![0f32; n];
@@ -403,7 +397,7 @@ mod tests {
                 );
                 // A token alone gives the bit-identical result it gets in the tile.
                 let mut alone = [0f32];
-                quant_dot(format)(&wq, &xq[t..t + 1], &mut alone);
+                quant_dot(format)(&wq, &Q8Tile::pack(&rows[t..t + 1]), &mut alone);
                 assert_eq!(alone[0].to_bits(), fast[t].to_bits());
             }
         }

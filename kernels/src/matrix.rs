@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use rayon::prelude::*;
 
 use crate::dot::{dot_f32, quant_dot};
-use crate::quant::{dequantize_row, Format, Q8Row};
+use crate::quant::{dequantize_row, Format, Q8Row, Q8Tile, TILE};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum MatrixError {
@@ -165,7 +165,7 @@ pub struct Activations<'a> {
     x: &'a [f32],
     rows: usize,
     cols: usize,
-    quantized: OnceLock<Vec<Q8Row>>,
+    quantized: OnceLock<Vec<Q8Tile>>,
 }
 
 impl<'a> Activations<'a> {
@@ -190,18 +190,20 @@ impl<'a> Activations<'a> {
         &self.x[t * self.cols..(t + 1) * self.cols]
     }
 
-    fn q8(&self) -> &[Q8Row] {
+    /// The rows quantised and packed in tiles of [`TILE`] tokens.
+    fn q8(&self) -> &[Q8Tile] {
         self.quantized.get_or_init(|| {
-            (0..self.rows)
+            let rows: Vec<Q8Row> = (0..self.rows)
                 .into_par_iter()
                 .map(|t| Q8Row::quantize(self.row(t)))
-                .collect()
+                .collect();
+            rows.chunks(TILE).map(Q8Tile::pack).collect()
         })
     }
 }
 
 /// Tokens per tile: a tile of activations stays in cache while a chunk of rows sweeps it.
-const TOKEN_TILE: usize = 16;
+const TOKEN_TILE: usize = TILE;
 
 /// `out[t][n] = Σ_k x[t][k] · W[n][k]` for every activation row `t` and matrix row `n`;
 /// `out` holds `x.rows() × w.rows()` values.
@@ -253,7 +255,7 @@ pub fn matmul_many(x: &Activations<'_>, jobs: &mut [(&Matrix, &mut [f32])]) {
                     let dst = &mut res[(n - n0) * t_rows..(n - n0 + 1) * t_rows];
                     match (dot, q8, &w.storage) {
                         (Some(dot), Some(q), _) => {
-                            dot(w.quant_row(n), &q[t0..t1], &mut dst[t0..t1])
+                            dot(w.quant_row(n), &q[t0 / TILE], &mut dst[t0..t1])
                         }
                         (None, _, Storage::Dense(v)) => {
                             let wr = &v[n * w.cols..(n + 1) * w.cols];

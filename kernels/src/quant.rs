@@ -219,6 +219,57 @@ impl Q8Row {
     }
 }
 
+/// Tokens per [`Q8Tile`].
+pub const TILE: usize = 8;
+
+/// Up to [`TILE`] quantised activation rows packed for the tiled dot products: each token's
+/// values contiguous, and each block's scales and sums laid out across the tile's tokens, so a
+/// kernel reads eight tokens' scales with one load.
+#[derive(Debug, Clone, Default)]
+pub struct Q8Tile {
+    /// Tokens in the tile (the rest of the `TILE` lanes are zero).
+    pub n: usize,
+    /// Blocks per row.
+    pub nb: usize,
+    /// `[token][nb × 32]`.
+    pub qs: Vec<i8>,
+    /// `[block][TILE]`: each token's block scale (Q8Row's `d`).
+    pub d: Vec<f32>,
+    /// `[block][TILE]`: each token's scaled block sum (Q8Row's `s`).
+    pub s: Vec<f32>,
+}
+
+impl Q8Tile {
+    pub fn pack(rows: &[Q8Row]) -> Self {
+        assert!(
+            !rows.is_empty() && rows.len() <= TILE,
+            "a tile holds 1 to {TILE} rows"
+        );
+        let nb = rows[0].d.len();
+        let mut t = Q8Tile {
+            n: rows.len(),
+            nb,
+            qs: Vec::with_capacity(rows.len() * nb * QK),
+            d: vec![0.0; nb * TILE],
+            s: vec![0.0; nb * TILE],
+        };
+        for (i, r) in rows.iter().enumerate() {
+            t.qs.extend_from_slice(&r.qs[..nb * QK]);
+            for b in 0..nb {
+                t.d[b * TILE + i] = r.d[b];
+                t.s[b * TILE + i] = r.s[b];
+            }
+        }
+        t
+    }
+
+    /// Token `t`'s values of block `b`.
+    pub fn block(&self, t: usize, b: usize) -> &[i8] {
+        let at = (t * self.nb + b) * QK;
+        &self.qs[at..at + QK]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
