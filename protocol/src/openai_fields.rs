@@ -73,6 +73,16 @@ fn inert(key: &str, v: &Value) -> bool {
         "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         "modalities" => v.as_array().is_some_and(|a| a == &[Value::from("text")]),
         "echo" | "return_logprob" => v.as_bool() == Some(false),
+        // sglang-router re-serialises every request with SGLang's defaults: at those values
+        // they ask for nothing kvgate does not do (it skips special tokens when detokenising
+        // and has no reasoning parser to separate or stream).
+        "no_stop_trim" | "continue_final_message" | "return_hidden_states" => {
+            v.as_bool() == Some(false)
+        }
+        "skip_special_tokens"
+        | "spaces_between_special_tokens"
+        | "separate_reasoning"
+        | "stream_reasoning" => v.as_bool() == Some(true),
         "best_of" => v.as_u64() == Some(1),
         "suffix" => v.as_str().is_some_and(str::is_empty),
         _ => false,
@@ -241,6 +251,23 @@ mod tests {
         assert!(check_chat(&d).is_err(), "top_logprobs without logprobs");
         d.insert("logprobs".into(), json!(true));
         assert_eq!(requested_logprobs(&d, true), Some(2));
+    }
+
+    #[test]
+    fn what_sglang_router_adds_passes() {
+        // The bodies sglang-router 0.3.2 forwards for a plain chat and completion request.
+        let chat = json!({"messages":[{"role":"user","content":"hi"}],"model":"m","logprobs":false,
+            "max_completion_tokens":4,"stream":false,"no_stop_trim":false,"ignore_eos":false,
+            "continue_final_message":false,"skip_special_tokens":true,"separate_reasoning":true,
+            "stream_reasoning":true,"return_hidden_states":false});
+        assert!(check_chat(&obj(chat)).is_ok());
+        let completion = json!({"model":"m","prompt":"hi","max_tokens":4,"stream":false,"echo":false,
+            "no_stop_trim":false,"ignore_eos":false,"skip_special_tokens":true,
+            "return_hidden_states":false});
+        assert!(check_completion(&obj(completion)).is_ok());
+        // Asking for the non-default behaviour is refused.
+        let d = obj(json!({"prompt": "x", "skip_special_tokens": false}));
+        assert!(check_completion(&d).is_err());
     }
 
     #[test]

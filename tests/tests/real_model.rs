@@ -188,3 +188,15 @@ async fn the_real_engine_reports_logprobs_and_stops_at_end_of_turn() {
         .sum();
     assert_eq!(tokens, 5);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cuda_backend_says_it_is_not_built_yet() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut cfg = replica::ReplicaConfig::new(tokenizer_dir());
+    cfg.backend = replica::backend::BackendKind::Cuda;
+    let err = match replica::build_server(cfg, listener).await {
+        Ok(_) => panic!("a cuda replica must not start"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("`cuda` backend is not built yet"), "{err}");
+}
