@@ -674,6 +674,9 @@ struct Fleet {
     served_model_name: String,
     /// Compute threads per replica (cpu).
     threads: Option<usize>,
+    /// The policy file embedded when none is given: config/policy.toml, or
+    /// config/policy-cpu.toml (promises a CPU can keep) for cpu replicas.
+    embedded_policy: &'static str,
 }
 
 fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
@@ -696,6 +699,7 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 tokenizer,
                 served_model_name: served_model_name(&a.model),
                 threads: None,
+                embedded_policy: config::routes::DEFAULT_POLICY,
             })
         }
         BackendKind::Cpu => {
@@ -728,6 +732,7 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 served_model_name,
                 // Real replicas split the cores rather than fight over them.
                 threads: Some((cores / replicas).max(1)),
+                embedded_policy: config::routes::CPU_POLICY,
             })
         }
         BackendKind::Cuda => bail!("the cuda backend is not built yet; use --backend sim or cpu"),
@@ -767,9 +772,8 @@ async fn run_up(a: UpArgs) -> Result<()> {
         Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
         Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
         None => {
-            let mut file =
-                config::PolicyFile::from_toml(config::routes::DEFAULT_POLICY, &cfg.replicas)
-                    .context("the embedded policy file is invalid")?;
+            let mut file = config::PolicyFile::from_toml(fleet.embedded_policy, &cfg.replicas)
+                .context("the embedded policy file is invalid")?;
             if let Some(p) = policy {
                 file.policy = p;
             }

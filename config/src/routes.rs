@@ -32,6 +32,9 @@ use crate::policy::PolicyConfig;
 /// `config/policy.toml`, the default `kvgate up` runs with.
 pub const DEFAULT_POLICY: &str = include_str!("../policy.toml");
 
+/// The policy `kvgate up --backend cpu` embeds: the same routes with promises a CPU keeps.
+pub const CPU_POLICY: &str = include_str!("../policy-cpu.toml");
+
 /// The `x-kvgate-priority` classes; interactive when the header is absent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -532,6 +535,15 @@ slo = { ttft_ms = 1000, itl_ms = 50 }
         assert_eq!(f.classify(32_000, Priority::Interactive), 0);
         assert_eq!(f.classify(500, Priority::Batch), 1);
         assert_eq!(f.routes[2].slo.ttft_ms, Some(1000));
+    }
+
+    #[test]
+    fn shipped_cpu_policy_is_valid_and_looser() {
+        let f = PolicyFile::from_toml(CPU_POLICY, &replicas()).unwrap();
+        let names: Vec<&str> = f.routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["long", "batch", "interactive"]);
+        assert_eq!(f.classify(3_000, Priority::Interactive), 0);
+        assert!(f.routes[2].slo.ttft_ms.unwrap() > 1000);
     }
 
     #[test]

@@ -135,6 +135,18 @@ async fn kvgate_up_with_the_cpu_backend_answers_and_routes_the_second_turn_by_pr
         .as_str()
         .unwrap()
         .is_empty());
+    // A prompt of several hundred tokens is served under the CPU fleet's promise (the GPU
+    // policy's 1 s TTFT would shed it as undeliverable).
+    let long = "Trains leave the central station for the harbour every twenty minutes. ".repeat(60);
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "max_tokens": 4, "messages": [
+            {"role": "system", "content": long}, {"role": "user", "content": "When?"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.headers());
+    assert_eq!(header(&r, "x-kvgate-route"), "interactive");
     child.kill().await.unwrap();
 }
 
