@@ -98,19 +98,23 @@ impl PagedKvCache {
         }
     }
 
-    /// Attention of the query heads that share key/value head `kv_head` over positions
-    /// `0..n_ctx` of a sequence: `q` holds the group's queries (RoPE applied), one `head_dim`
-    /// run per head, and `out` receives one `head_dim` result per head. Each block's keys and
-    /// values are widened to f32 once for the whole group. Positions are visited in order and
-    /// the softmax is exact, so each head's result depends only on its query and the cached
-    /// values, never on how they were batched or chunked.
+    /// Attention for a tile of consecutive tokens of one sequence (positions `first_pos ..
+    /// first_pos + n`, each attending to itself and everything before it) and the `group` query
+    /// heads that share key/value head `kv_head`. `q` holds, token by token, the group's queries (RoPE
+    /// applied), one `head_dim` run per head; `out` receives the results in the same layout.
+    /// Each block's keys and values are widened to f32 once for the whole tile. For every
+    /// (token, head) the operations are those of attending alone — scores in position order,
+    /// an exact softmax over exactly its positions, values accumulated in position order — so
+    /// the result depends only on its query and the cached values, never on the tile, the
+    /// batch or the chunking.
     #[allow(clippy::too_many_arguments)]
-    pub fn attend_group(
+    pub fn attend_tile(
         &self,
         layer: usize,
         table: &[u32],
-        n_ctx: usize,
+        first_pos: usize,
         kv_head: usize,
+        group: usize,
         q: &[f32],
         scale: f32,
         out: &mut [f32],
@@ -119,38 +123,56 @@ impl PagedKvCache {
         let s = &self.shape;
         let hd = s.head_dim;
         let bs = s.block_size;
-        let group = q.len() / hd;
-        let mut scores = vec![0f32; group * n_ctx];
+        debug_assert_eq!(out.len(), q.len());
+        // (token, head) pairs, `group` heads per token.
+        let n = q.len() / hd;
+        let n_tokens = n / group;
+        let max_ctx = first_pos + n_tokens;
+        let mut scores = vec![0f32; n * max_ctx];
         scratch.resize(bs * hd, 0.0);
-        let blocks = table.iter().enumerate().take(n_ctx.div_ceil(bs));
+        let ctx = |i: usize| first_pos + i + 1;
+        let blocks = table.iter().enumerate().take(max_ctx.div_ceil(bs));
         for (b, &block) in blocks.clone() {
-            let n = (n_ctx - b * bs).min(bs);
+            let len = (max_ctx - b * bs).min(bs);
             let at = self.offset(layer, block as usize, kv_head, 0);
-            self.k[at..at + n * hd]
+            self.k[at..at + len * hd]
                 .reinterpret_cast::<f16>()
-                .convert_to_f32_slice(&mut scratch[..n * hd]);
-            for (g, qh) in q.chunks_exact(hd).enumerate() {
-                let row = &mut scores[g * n_ctx + b * bs..g * n_ctx + b * bs + n];
-                for (sc, key) in row.iter_mut().zip(scratch[..n * hd].chunks_exact(hd)) {
-                    *sc = dot_f32(qh, key) * scale;
+                .convert_to_f32_slice(&mut scratch[..len * hd]);
+            for i in 0..n_tokens {
+                let limit = ctx(i).saturating_sub(b * bs).min(len);
+                for g in 0..group {
+                    let r = i * group + g;
+                    let qh = &q[r * hd..(r + 1) * hd];
+                    let row = &mut scores[r * max_ctx + b * bs..r * max_ctx + b * bs + limit];
+                    for (sc, key) in row.iter_mut().zip(scratch[..limit * hd].chunks_exact(hd)) {
+                        *sc = dot_f32(qh, key) * scale;
+                    }
                 }
             }
         }
-        for row in scores.chunks_exact_mut(n_ctx) {
-            crate::ops::softmax(row);
+        for i in 0..n_tokens {
+            for g in 0..group {
+                let r = i * group + g;
+                crate::ops::softmax(&mut scores[r * max_ctx..r * max_ctx + ctx(i)]);
+            }
         }
         out.fill(0.0);
         for (b, &block) in blocks {
-            let n = (n_ctx - b * bs).min(bs);
+            let len = (max_ctx - b * bs).min(bs);
             let at = self.offset(layer, block as usize, kv_head, 0);
-            self.v[at..at + n * hd]
+            self.v[at..at + len * hd]
                 .reinterpret_cast::<f16>()
-                .convert_to_f32_slice(&mut scratch[..n * hd]);
-            for (g, oh) in out.chunks_exact_mut(hd).enumerate() {
-                let w = &scores[g * n_ctx + b * bs..g * n_ctx + b * bs + n];
-                for (&wj, val) in w.iter().zip(scratch[..n * hd].chunks_exact(hd)) {
-                    for (o, &x) in oh.iter_mut().zip(val) {
-                        *o += wj * x;
+                .convert_to_f32_slice(&mut scratch[..len * hd]);
+            for i in 0..n_tokens {
+                let limit = ctx(i).saturating_sub(b * bs).min(len);
+                for g in 0..group {
+                    let r = i * group + g;
+                    let w = &scores[r * max_ctx + b * bs..r * max_ctx + b * bs + limit];
+                    let oh = &mut out[r * hd..(r + 1) * hd];
+                    for (&wj, val) in w.iter().zip(scratch[..limit * hd].chunks_exact(hd)) {
+                        for (o, &x) in oh.iter_mut().zip(val) {
+                            *o += wj * x;
+                        }
                     }
                 }
             }
@@ -191,7 +213,7 @@ mod tests {
         let q: Vec<f32> = (0..8).map(|d| d as f32 / 10.0 - 0.3).collect();
         let mut out = vec![0f32; 8];
         let mut scratch = Vec::new();
-        cache.attend_group(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
+        cache.attend_tile(1, &table, n_ctx - 1, 1, 1, &q, 0.35, &mut out, &mut scratch);
         let mut w: Vec<f32> = (0..n_ctx)
             .map(|p| (0..8).map(|d| q[d] * dense_k[p][8 + d]).sum::<f32>() * 0.35)
             .collect();
@@ -203,18 +225,29 @@ mod tests {
         // A scribbled block changes the answer.
         let before = out.clone();
         cache.scribble_block(2);
-        cache.attend_group(1, &table, n_ctx, 1, &q, 0.35, &mut out, &mut scratch);
+        cache.attend_tile(1, &table, n_ctx - 1, 1, 1, &q, 0.35, &mut out, &mut scratch);
         assert_ne!(before, out);
         // Two heads sharing the KV head at once equal each alone.
         let q2: Vec<f32> = q.iter().chain(q.iter().rev()).copied().collect();
         let mut both = vec![0f32; 16];
-        cache.attend_group(1, &table, n_ctx, 1, &q2, 0.35, &mut both, &mut scratch);
-        assert_eq!(&both[..8], &out[..]);
-        let mut second = vec![0f32; 8];
-        cache.attend_group(
+        cache.attend_tile(
             1,
             &table,
-            n_ctx,
+            n_ctx - 1,
+            1,
+            2,
+            &q2,
+            0.35,
+            &mut both,
+            &mut scratch,
+        );
+        assert_eq!(&both[..8], &out[..]);
+        let mut second = vec![0f32; 8];
+        cache.attend_tile(
+            1,
+            &table,
+            n_ctx - 1,
+            1,
             1,
             &q2[8..],
             0.35,
@@ -222,5 +255,35 @@ mod tests {
             &mut scratch,
         );
         assert_eq!(&both[8..], &second[..]);
+        // A tile of three consecutive tokens equals each token alone.
+        let q3: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut tile = vec![0f32; 24];
+        cache.attend_tile(
+            1,
+            &table,
+            n_ctx - 3,
+            1,
+            1,
+            &q3,
+            0.35,
+            &mut tile,
+            &mut scratch,
+        );
+        for i in 0..3 {
+            let mut alone = vec![0f32; 8];
+            let qi = &q3[i * 8..(i + 1) * 8];
+            cache.attend_tile(
+                1,
+                &table,
+                n_ctx - 3 + i,
+                1,
+                1,
+                qi,
+                0.35,
+                &mut alone,
+                &mut scratch,
+            );
+            assert_eq!(&tile[i * 8..(i + 1) * 8], &alone[..], "token {i}");
+        }
     }
 }

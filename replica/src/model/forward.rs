@@ -14,6 +14,9 @@ use rayon::prelude::*;
 
 use super::weights::LlamaWeights;
 
+/// Tokens of one sequence whose attention shares one pass over the cached blocks.
+const ATTENTION_TILE: usize = 16;
+
 /// One sequence's share of a step.
 #[derive(Debug, Clone)]
 pub struct SeqSlice<'a> {
@@ -53,6 +56,18 @@ pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -
         return Vec::new();
     }
     let angles: Vec<Vec<(f32, f32)>> = pos.par_iter().map(|&p| c.rope.angles(p)).collect();
+    // Attention tiles: up to ATTENTION_TILE consecutive tokens of one sequence.
+    let mut tiles = Vec::new();
+    let mut t0 = 0;
+    for sl in seqs {
+        let mut i = 0;
+        while i < sl.tokens.len() {
+            let n_tok = (sl.tokens.len() - i).min(ATTENTION_TILE);
+            tiles.push((t0 + i, n_tok));
+            i += n_tok;
+        }
+        t0 += sl.tokens.len();
+    }
 
     let mut x = vec![0f32; n * hidden];
     x.par_chunks_mut(hidden)
@@ -99,25 +114,31 @@ pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -
             );
         }
         let cache: &PagedKvCache = kv;
-        // One task per (token, key/value head): the query heads of a group read the same
-        // blocks, which are widened to f32 once for all of them.
+        // One task per (tile of a sequence's consecutive tokens, key/value head): each block
+        // is widened to f32 once for the tile's tokens and the group's query heads.
         let gw = group * hd;
-        attn.par_chunks_mut(gw)
-            .enumerate()
-            .for_each_init(Vec::new, |scratch, (i, out)| {
-                let (t, kvh) = (i / c.kv_heads, i % c.kv_heads);
-                let sl = &seqs[owner[t]];
-                cache.attend_group(
-                    layer,
-                    sl.table,
-                    pos[t] + 1,
-                    kvh,
-                    &q[t * qd + kvh * gw..t * qd + (kvh + 1) * gw],
-                    scale,
-                    out,
-                    scratch,
+        let results: Vec<(usize, usize, Vec<f32>)> = tiles
+            .par_iter()
+            .flat_map_iter(|&tile| (0..c.kv_heads).map(move |kvh| (tile, kvh)))
+            .map_init(Vec::new, |scratch, ((t0, n_tok), kvh)| {
+                let sl = &seqs[owner[t0]];
+                let mut qt = Vec::with_capacity(n_tok * gw);
+                for t in t0..t0 + n_tok {
+                    qt.extend_from_slice(&q[t * qd + kvh * gw..t * qd + (kvh + 1) * gw]);
+                }
+                let mut out = vec![0f32; qt.len()];
+                cache.attend_tile(
+                    layer, sl.table, pos[t0], kvh, group, &qt, scale, &mut out, scratch,
                 );
-            });
+                (t0, kvh, out)
+            })
+            .collect();
+        for (t0, kvh, out) in results {
+            for (i, o) in out.chunks_exact(gw).enumerate() {
+                let t = t0 + i;
+                attn[t * qd + kvh * gw..t * qd + (kvh + 1) * gw].copy_from_slice(o);
+            }
+        }
         matmul(&Activations::new(&attn, qd), &lw.wo, &mut o);
         add_assign(&mut x, &o);
 
