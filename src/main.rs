@@ -619,8 +619,10 @@ async fn start_replicas(
         let mut cmd = tokio::process::Command::new(&exe);
         cmd.args(["replica", "--port", "0", "--backend", fleet.backend])
             .arg("--model")
-            .arg(&fleet.model)
-            .args(["--gpu", &a.gpu]);
+            .arg(&fleet.model);
+        if fleet.backend == "sim" {
+            cmd.args(["--gpu", &a.gpu]);
+        }
         if let Some(t) = fleet.threads {
             cmd.arg("--threads").arg(t.to_string());
         }

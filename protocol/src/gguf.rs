@@ -289,12 +289,13 @@ impl GgufHeader {
             len,
             path: path.to_path_buf(),
         };
-        let magic: [u8; 4] = r
-            .array("the magic number")
-            .map_err(|_| GgufError::NotGguf {
+        if len < 4 {
+            return Err(GgufError::Corrupt {
                 path: path.to_path_buf(),
-                found: "fewer than 4 bytes".into(),
-            })?;
+                what: format!("the file holds {len} bytes, too few for any GGUF header"),
+            });
+        }
+        let magic: [u8; 4] = r.array("the magic number")?;
         if &magic != MAGIC {
             return Err(GgufError::NotGguf {
                 path: path.to_path_buf(),

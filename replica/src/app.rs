@@ -370,7 +370,7 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
         prefill_tokens_per_s: Some(rate),
         served_model_name: cfg.served_model_name.clone().unwrap_or(stem),
         model_profile: format!("llama ({})", path.display()),
-        device: format!("cpu ({threads} threads)"),
+        device: format!("{threads} threads"),
         kv_cache_dtype: "f16",
         stop_token_ids,
     })
