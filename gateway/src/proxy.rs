@@ -126,7 +126,25 @@ impl GatewayState {
     }
 
     async fn models(&self, session: &mut Session) -> u16 {
-        // The union of the healthy replicas' model lists.
+        let ids = self.model_cards().await;
+        let body = serde_json::json!({"object": "list", "data": ids});
+        respond(session, 200, Bytes::from(body.to_string()), &[]).await
+    }
+
+    /// `GET /v1/models/{id}`: the card of a model some healthy replica serves, or 404.
+    async fn model(&self, session: &mut Session, id: &str) -> u16 {
+        let cards = self.model_cards().await;
+        match cards.into_iter().find(|c| c["id"] == id) {
+            Some(card) => respond(session, 200, Bytes::from(card.to_string()), &[]).await,
+            None => {
+                let e = ApiError::model_not_found(id, &self.router.model);
+                respond_error(session, &e).await
+            }
+        }
+    }
+
+    /// The union of the healthy replicas' model cards.
+    async fn model_cards(&self) -> Vec<serde_json::Value> {
         let mut ids: Vec<serde_json::Value> = Vec::new();
         for r in self.router.registry.replicas().iter() {
             let (true, Some(addr)) = (r.is_healthy(), r.addr()) else {
@@ -154,8 +172,7 @@ impl GatewayState {
                 }
             }
         }
-        let body = serde_json::json!({"object": "list", "data": ids});
-        respond(session, 200, Bytes::from(body.to_string()), &[]).await
+        ids
     }
 
     /// The tenant's cache scope under the active policy.
@@ -387,6 +404,19 @@ impl ProxyHttp for GatewayProxy {
             (_, "/v1/models", _) if method == http::Method::GET => {
                 match state.keys.authenticate(&session.req_header().headers) {
                     Ok(_) => ("models", state.models(session).await),
+                    Err(e) => {
+                        state.auth_failed("api");
+                        ("models", respond_error(session, &e).await)
+                    }
+                }
+            }
+            (_, p, _)
+                if method == http::Method::GET
+                    && protocol::openai::model_id_in_path(p).is_some() =>
+            {
+                let id = protocol::openai::model_id_in_path(p).unwrap_or_default();
+                match state.keys.authenticate(&session.req_header().headers) {
+                    Ok(_) => ("models", state.model(session, &id).await),
                     Err(e) => {
                         state.auth_failed("api");
                         ("models", respond_error(session, &e).await)

@@ -451,9 +451,49 @@ pub struct ModelList {
     pub data: Vec<ModelCard>,
 }
 
+/// The model id in a `GET /v1/models/{id}` path, `%XX` escapes decoded (Hugging Face ids
+/// contain `/`, which clients may escape); `None` for any other path or an empty id.
+pub fn model_id_in_path(path: &str) -> Option<String> {
+    let raw = path.strip_prefix("/v1/models/")?;
+    if raw.is_empty() {
+        return None;
+    }
+    let b = raw.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let hex = |c: u8| (c as char).to_digit(16);
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_ids_come_out_of_paths_decoded() {
+        assert_eq!(
+            model_id_in_path("/v1/models/Qwen3-8B").as_deref(),
+            Some("Qwen3-8B")
+        );
+        assert_eq!(
+            model_id_in_path("/v1/models/HuggingFaceTB%2FSmolLM2").as_deref(),
+            Some("HuggingFaceTB/SmolLM2")
+        );
+        assert_eq!(model_id_in_path("/v1/models/a/b").as_deref(), Some("a/b"));
+        assert_eq!(model_id_in_path("/v1/models/"), None);
+        assert_eq!(model_id_in_path("/v1/model"), None);
+    }
 
     #[test]
     fn parses_every_prompt_shape() {

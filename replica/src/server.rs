@@ -142,9 +142,8 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
             api::chat_completions(state, &body).await
         }
         (&Method::GET, "/v1/models") => Ok(info::models(&state)),
-        (&Method::GET, p) if p.starts_with("/v1/models/") => {
-            // Model ids may contain '/', as Hugging Face names do.
-            let id = percent_decode(&p["/v1/models/".len()..]);
+        (&Method::GET, p) if protocol::openai::model_id_in_path(p).is_some() => {
+            let id = protocol::openai::model_id_in_path(p).unwrap_or_default();
             info::model(&state, &id)
         }
         (&Method::GET, "/health") => Ok(json_response(
@@ -177,26 +176,6 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
         (m, p) if KNOWN.contains(&p) => Err(ApiError::method_not_allowed(m.as_str(), p)),
         (_, p) => Err(ApiError::not_found_path(p)),
     }
-}
-
-/// Decodes `%XX` escapes (a model id in a path); invalid escapes stay as they are.
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            let hex = |c: u8| (c as char).to_digit(16);
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 async fn handle(

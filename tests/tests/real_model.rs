@@ -69,6 +69,24 @@ async fn gateway_predictions_equal_the_real_engines_cache_hits() {
         hits >= 2,
         "the shared system prompt was served from the cache"
     );
+    // The OpenAI SDK's models.retrieve(id), through the gateway.
+    let card: Value = gw
+        .client
+        .get(format!("{}/v1/models/{MODEL}", gw.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(card["id"], MODEL);
+    let missing = gw
+        .client
+        .get(format!("{}/v1/models/gpt-4o", gw.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
 }
 
 fn kvgate_binary() -> PathBuf {
