@@ -14,7 +14,6 @@ use protocol::tokenizer::TextTokenizer;
 use replica::backend::EngineBackend;
 use replica::cpu::CpuBackend;
 use replica::model::{LlamaWeights, LoadOptions};
-use replica::sampling::SamplingParams;
 use replica::scheduler::{Scheduler, SchedulerConfig, SeqRequest};
 
 const BS: usize = 16;
@@ -57,20 +56,7 @@ impl Rig {
         let id = self.next;
         self.next += 1;
         self.sched
-            .add(SeqRequest {
-                id,
-                prompt,
-                priority: 0,
-                hash_root: 1,
-                max_tokens,
-                seed: id,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                sampling: Arc::new(SamplingParams {
-                    temperature: 0.0,
-                    ..Default::default()
-                }),
-            })
+            .add(SeqRequest::greedy(id, prompt, max_tokens, 1))
             .unwrap();
     }
 

@@ -49,6 +49,27 @@ pub struct SeqRequest {
     pub sampling: Arc<SamplingParams>,
 }
 
+impl SeqRequest {
+    /// A greedy request that runs to `max_tokens` (ignores end-of-sequence): what detectors
+    /// and benchmarks drive the engine with.
+    pub fn greedy(id: SeqId, prompt: Vec<u32>, max_tokens: usize, hash_root: u64) -> Self {
+        SeqRequest {
+            id,
+            prompt,
+            priority: 0,
+            hash_root,
+            max_tokens,
+            seed: id,
+            stop_token_ids: Vec::new(),
+            ignore_eos: true,
+            sampling: Arc::new(SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// The model emitted end-of-sequence.

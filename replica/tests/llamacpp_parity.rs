@@ -22,7 +22,6 @@ use protocol::tokenizer::TextTokenizer;
 use replica::backend::EngineBackend;
 use replica::cpu::CpuBackend;
 use replica::model::{LlamaWeights, LoadOptions};
-use replica::sampling::SamplingParams;
 use replica::scheduler::{Scheduler, SchedulerConfig, SeqRequest};
 use serde_json::Value;
 
@@ -81,20 +80,7 @@ fn greedy_tokens_match_llama_cpp_on_the_same_file() {
             "prompt {i}: tokenisation differs from llama.cpp's"
         );
         sched
-            .add(SeqRequest {
-                id: i as u64,
-                prompt: ids,
-                priority: 0,
-                hash_root: 1,
-                max_tokens: steps,
-                seed: 0,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                sampling: Arc::new(SamplingParams {
-                    temperature: 0.0,
-                    ..Default::default()
-                }),
-            })
+            .add(SeqRequest::greedy(i as u64, ids, steps, 1))
             .unwrap();
     }
     let mut ours: Vec<Vec<(u32, f32)>> = vec![Vec::new(); cases.len()];

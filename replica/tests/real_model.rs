@@ -14,7 +14,6 @@ use protocol::hashing::extend_block_hashes;
 use protocol::tokenizer::TextTokenizer;
 use replica::cpu::CpuBackend;
 use replica::model::{LlamaWeights, LoadOptions};
-use replica::sampling::SamplingParams;
 use replica::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqRequest};
 
 use replica::backend::EngineBackend;
@@ -70,20 +69,7 @@ impl Rig {
 
     fn add(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) {
         self.sched
-            .add(SeqRequest {
-                id,
-                prompt,
-                priority: 0,
-                hash_root: ROOT,
-                max_tokens,
-                seed: id,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                sampling: Arc::new(SamplingParams {
-                    temperature: 0.0,
-                    ..Default::default()
-                }),
-            })
+            .add(SeqRequest::greedy(id, prompt, max_tokens, ROOT))
             .unwrap();
     }
 

@@ -5,13 +5,8 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::Duration;
-
 use common::*;
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
@@ -89,38 +84,10 @@ async fn gateway_predictions_equal_the_real_engines_cache_hits() {
     assert_eq!(missing.status(), 404);
 }
 
-fn kvgate_binary() -> PathBuf {
-    let target = std::env::var("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let bin = target.join("debug/kvgate");
-    assert!(bin.exists(), "{} is missing: build it first", bin.display());
-    bin
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvgate_up_with_the_cpu_backend_answers_and_routes_the_second_turn_by_prefix() {
     model_file();
-    let mut child = tokio::process::Command::new(kvgate_binary())
-        .args(["up", "--backend", "cpu", "--port", "0", "--admin-port", "0"])
-        .env_remove("KVGATE_TOKENIZER_DIR")
-        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start kvgate up");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let url = loop {
-        let line = tokio::time::timeout(Duration::from_secs(300), lines.next_line())
-            .await
-            .expect("kvgate up prints its URL")
-            .unwrap()
-            .expect("kvgate up exited early");
-        if let Some(rest) = line.strip_prefix("kvgate gateway ready at ") {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (mut child, url) = start_kvgate_up(&["--backend", "cpu"], &[]).await;
     let client = reqwest::Client::new();
     let mut messages = vec![
         json!({"role": "user", "content": "What is the capital of France? Answer in one word."}),

@@ -389,28 +389,27 @@ impl LlamaWeights {
 /// Hugging Face stores each head's rotary pairs as (i, i + d/2); GGUF as (2i, 2i + 1). Row
 /// `2i + j` of a head in GGUF order is row `j·d/2 + i` in HF order.
 fn hf_to_interleaved(w: Vec<f32>, heads: usize, cols: usize) -> Vec<f32> {
-    let hd = w.len() / cols / heads;
-    let mut out = vec![0f32; w.len()];
-    for h in 0..heads {
-        for i in 0..hd / 2 {
-            for j in 0..2 {
-                let dst = (h * hd + 2 * i + j) * cols;
-                let src = (h * hd + j * hd / 2 + i) * cols;
-                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
-            }
-        }
-    }
-    out
+    permute_rope_rows(w, heads, cols, true)
 }
 
+/// The inverse of [`hf_to_interleaved`].
 fn interleaved_to_hf(w: Vec<f32>, heads: usize, cols: usize) -> Vec<f32> {
+    permute_rope_rows(w, heads, cols, false)
+}
+
+fn permute_rope_rows(w: Vec<f32>, heads: usize, cols: usize, to_interleaved: bool) -> Vec<f32> {
     let hd = w.len() / cols / heads;
     let mut out = vec![0f32; w.len()];
     for h in 0..heads {
         for i in 0..hd / 2 {
             for j in 0..2 {
-                let src = (h * hd + 2 * i + j) * cols;
-                let dst = (h * hd + j * hd / 2 + i) * cols;
+                let gguf = (h * hd + 2 * i + j) * cols;
+                let hf = (h * hd + j * hd / 2 + i) * cols;
+                let (dst, src) = if to_interleaved {
+                    (gguf, hf)
+                } else {
+                    (hf, gguf)
+                };
                 out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
             }
         }

@@ -46,6 +46,54 @@ pub fn cpu_replica(c: &mut ReplicaConfig, threads: usize) {
     c.max_num_batched_tokens = 512;
 }
 
+/// The debug `kvgate` binary the process-level tests start (`scripts/test.sh` builds it).
+pub fn kvgate_binary() -> PathBuf {
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join("debug/kvgate");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build`; scripts/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Starts `kvgate up ARGS` (free ports) from the checkout's root and waits for its ready line;
+/// returns the process (killed on drop) and the gateway's URL.
+pub async fn start_kvgate_up(
+    args: &[&str],
+    env: &[(&str, PathBuf)],
+) -> (tokio::process::Child, String) {
+    use tokio::io::AsyncBufReadExt;
+    let mut cmd = tokio::process::Command::new(kvgate_binary());
+    cmd.arg("up")
+        .args(args)
+        .args(["--port", "0", "--admin-port", "0"])
+        .env_remove("KVGATE_TOKENIZER_DIR")
+        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start kvgate up");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let url = loop {
+        let line = tokio::time::timeout(Duration::from_secs(300), lines.next_line())
+            .await
+            .expect("kvgate up prints its URL")
+            .unwrap()
+            .expect("kvgate up exited early");
+        if let Some(rest) = line.strip_prefix("kvgate gateway ready at ") {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, url)
+}
+
 async fn wait_ready(client: &reqwest::Client, base: &str, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
