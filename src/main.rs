@@ -833,6 +833,9 @@ async fn run_bench(a: BenchArgs) -> Result<()> {
         .iter()
         .map(|t| loadtest::compare::Target::parse(t))
         .collect();
+    loadtest::compare::preflight(&targets)
+        .await
+        .map_err(|e| anyhow!(e))?;
     let base = loadtest::run::RunSpec {
         base_url: targets[0].url.clone(),
         label: targets[0].name.clone(),

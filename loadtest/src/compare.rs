@@ -19,19 +19,60 @@ pub struct Target {
 }
 
 impl Target {
-    /// `NAME=URL`, or a bare URL named after itself.
+    /// `NAME=URL`, or a bare URL named after itself. The URL may be `host:port` (http is
+    /// assumed) and may end in `/v1` (what OpenAI clients take as their base URL): requests go
+    /// to `URL/v1/...` either way.
     pub fn parse(s: &str) -> Self {
-        match s.split_once('=') {
-            Some((n, u)) if !n.contains("://") => Target {
-                name: n.to_string(),
-                url: u.trim_end_matches('/').to_string(),
-            },
-            _ => Target {
-                name: s.to_string(),
-                url: s.trim_end_matches('/').to_string(),
-            },
+        let (name, url) = match s.split_once('=') {
+            Some((n, u)) if !n.contains("://") => (n.to_string(), u),
+            _ => (s.to_string(), s),
+        };
+        Target {
+            name,
+            url: normalise_url(url),
         }
     }
+}
+
+/// `host:port` → `http://host:port`; a trailing `/` or `/v1` is dropped.
+fn normalise_url(u: &str) -> String {
+    let mut url = if u.contains("://") {
+        u.to_string()
+    } else {
+        format!("http://{u}")
+    };
+    loop {
+        let trimmed = url.trim_end_matches('/');
+        let trimmed = trimmed.strip_suffix("/v1").unwrap_or(trimmed);
+        if trimmed.len() == url.len() {
+            return url;
+        }
+        url = trimmed.to_string();
+    }
+}
+
+/// One `GET /v1/models` per target before anything runs, so a wrong URL fails in a second with
+/// its address instead of as a run of errors.
+pub async fn preflight(targets: &[Target]) -> Result<(), String> {
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()
+        .map_err(|e| e.to_string())?;
+    for t in targets {
+        let url = format!("{}/v1/models", t.url);
+        match client.get(&url).send().await {
+            Ok(r) if r.status().is_success() || r.status() == 401 => {}
+            Ok(r) => {
+                return Err(format!(
+                    "target {} ({url}) answered {}; is it an OpenAI-compatible server?",
+                    t.name,
+                    r.status()
+                ))
+            }
+            Err(e) => return Err(format!("target {} ({url}) cannot be reached: {e}", t.name)),
+        }
+    }
+    Ok(())
 }
 
 pub struct CompareSpec {
@@ -236,13 +277,15 @@ impl CompareReport {
             out.push('\n');
         }
         out.push_str("## Knee (highest rate at which ≥ 90% of offered requests met the SLO)\n\n| target | knee rate |\n|---|---|\n");
+        let top = self.rates.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         for k in &self.knees {
-            out.push_str(&format!(
-                "| {} | {} |\n",
-                k.target,
-                k.rate
-                    .map_or("below the lowest rate".into(), |r| format!("{r:.2}/s"))
-            ));
+            let label = match k.rate {
+                None => "below the lowest rate".to_string(),
+                // Every rate met the SLO: the knee lies beyond the sweep.
+                Some(r) if r >= top => format!("not reached (≥ {r:.2}/s, the top rate)"),
+                Some(r) => format!("{r:.2}/s"),
+            };
+            out.push_str(&format!("| {} | {} |\n", k.target, label));
         }
         if !self.flush_errors.is_empty() {
             out.push_str(&format!(
@@ -286,5 +329,12 @@ mod tests {
         );
         let t = Target::parse("http://h:2?a=b");
         assert_eq!(t.name, "http://h:2?a=b");
+        // host:port and an OpenAI base URL ending in /v1 mean the same server.
+        assert_eq!(Target::parse("127.0.0.1:8080").url, "http://127.0.0.1:8080");
+        assert_eq!(
+            Target::parse("gw=localhost:8080/v1/").url,
+            "http://localhost:8080"
+        );
+        assert_eq!(Target::parse("https://h/v1").url, "https://h");
     }
 }
