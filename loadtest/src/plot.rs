@@ -57,26 +57,53 @@ fn err<E: std::fmt::Debug>(e: E) -> String {
     format!("{e:?}")
 }
 
-/// One line per target: (name, points).
-type Series = Vec<(String, Vec<(f64, f64)>)>;
+/// One line per target: (name, the target's index — its colour in every plot —, points).
+type Series = Vec<(String, usize, Vec<(f64, f64)>)>;
+
+/// The SLO drawn on a plot, in its axis units.
+#[derive(Clone, Copy)]
+enum SloLine {
+    /// A vertical line at this x (TTFT on a CDF).
+    X(f64),
+    /// A horizontal line at this y (p95 TTFT against throughput).
+    Y(f64),
+}
+
+/// What a plot shows besides its series.
+struct Plot<'a> {
+    title: &'a str,
+    x_desc: &'a str,
+    y_desc: &'a str,
+    marks: &'a [(usize, (f64, f64))],
+    y_max: Option<f64>,
+    slo: Option<SloLine>,
+    /// Where the legend goes: a corner the curves of this kind of plot leave empty.
+    legend: SeriesLabelPosition,
+}
 
 fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
-    title: &str,
-    x_desc: &str,
-    y_desc: &str,
+    plot: &Plot<'_>,
     series: &Series,
-    marks: &[(usize, (f64, f64))],
-    y_max: Option<f64>,
 ) -> Result<(), String>
 where
     DB::ErrorType: 'static,
 {
+    let (title, x_desc, y_desc, marks, y_max) =
+        (plot.title, plot.x_desc, plot.y_desc, plot.marks, plot.y_max);
     root.fill(&WHITE).map_err(err)?;
-    let xs = series.iter().flat_map(|s| s.1.iter().map(|p| p.0));
-    let ys = series.iter().flat_map(|s| s.1.iter().map(|p| p.1));
-    let x_max = xs.fold(0.0f64, f64::max).max(1e-3) * 1.05;
-    let y_top = y_max.unwrap_or_else(|| ys.fold(0.0f64, f64::max).max(1e-3) * 1.1);
+    let xs = series.iter().flat_map(|s| s.2.iter().map(|p| p.0));
+    let ys = series.iter().flat_map(|s| s.2.iter().map(|p| p.1));
+    let slo_x = match plot.slo {
+        Some(SloLine::X(x)) => x,
+        _ => 0.0,
+    };
+    let slo_y = match plot.slo {
+        Some(SloLine::Y(y)) => y,
+        _ => 0.0,
+    };
+    let x_max = xs.fold(slo_x, f64::max).max(1e-3) * 1.05;
+    let y_top = y_max.unwrap_or_else(|| ys.fold(slo_y, f64::max).max(1e-3) * 1.1);
     let mut chart = ChartBuilder::on(root)
         .caption(title, ("sans-serif", 22))
         .margin(12)
@@ -91,7 +118,19 @@ where
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(err)?;
-    for (i, (name, pts)) in series.iter().enumerate() {
+    if let Some(line) = plot.slo {
+        let grey = RGBColor(120, 120, 120);
+        let pts = match line {
+            SloLine::X(x) => vec![(x, 0.0), (x, y_top)],
+            SloLine::Y(y) => vec![(0.0, y), (x_max, y)],
+        };
+        chart
+            .draw_series(LineSeries::new(pts, grey.stroke_width(1)))
+            .map_err(err)?
+            .label("SLO")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey));
+    }
+    for (name, i, pts) in series.iter() {
         let c = COLORS[i % COLORS.len()];
         chart
             .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
@@ -115,32 +154,22 @@ where
         .label_font(("sans-serif", 14))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
+        .position(plot.legend.clone())
         .draw()
         .map_err(err)?;
     root.present().map_err(err)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn both(
-    dir: &Path,
-    stem: &str,
-    title: &str,
-    x_desc: &str,
-    y_desc: &str,
-    series: &Series,
-    marks: &[(usize, (f64, f64))],
-    y_max: Option<f64>,
-) -> Result<Vec<PathBuf>, String> {
+fn both(dir: &Path, stem: &str, plot: &Plot<'_>, series: &Series) -> Result<Vec<PathBuf>, String> {
     let png = dir.join(format!("{stem}.png"));
     let svg = dir.join(format!("{stem}.svg"));
     {
         let root = BitMapBackend::new(&png, (960, 600)).into_drawing_area();
-        draw(&root, title, x_desc, y_desc, series, marks, y_max)?;
+        draw(&root, plot, series)?;
     }
     {
         let root = SVGBackend::new(&svg, (960, 600)).into_drawing_area();
-        draw(&root, title, x_desc, y_desc, series, marks, y_max)?;
+        draw(&root, plot, series)?;
     }
     Ok(vec![png, svg])
 }
@@ -164,18 +193,25 @@ pub fn write_all(r: &CompareReport, dir: &Path) -> Result<Vec<PathBuf>, String> 
                     .enumerate()
                     .map(|(i, x)| (*x, (i + 1) as f64 / n))
                     .collect();
-                (run.target.clone(), pts)
+                let colour = r.targets.iter().position(|t| t == &run.target).unwrap_or(0);
+                (run.target.clone(), colour, pts)
             })
             .collect();
+        let title = format!("TTFT CDF at {rate:.2} requests/s ({})", r.workload);
         files.extend(both(
             dir,
             &format!("ttft_cdf_{rate:.2}rps"),
-            &format!("TTFT CDF at {rate:.2} requests/s ({})", r.workload),
-            "TTFT (s)",
-            "fraction of requests",
+            &Plot {
+                title: &title,
+                x_desc: "TTFT (s)",
+                y_desc: "fraction of requests",
+                marks: &[],
+                y_max: Some(1.0),
+                slo: r.slo.ttft_s.map(SloLine::X),
+                // CDFs rise to 1 early: the lower right stays empty.
+                legend: SeriesLabelPosition::LowerRight,
+            },
             &series,
-            &[],
-            Some(1.0),
         )?);
     }
     let mut series: Series = Vec::new();
@@ -195,20 +231,26 @@ pub fn write_all(r: &CompareReport, dir: &Path) -> Result<Vec<PathBuf>, String> 
                 }
             }
         }
-        series.push((t.clone(), pts));
+        series.push((t.clone(), i, pts));
     }
+    let title = format!(
+        "Throughput vs p95 TTFT over the rate sweep ({}); circle = knee",
+        r.workload
+    );
     files.extend(both(
         dir,
         "throughput_latency",
-        &format!(
-            "Throughput vs p95 TTFT over the rate sweep ({}); circle = knee",
-            r.workload
-        ),
-        "achieved requests/s",
-        "p95 TTFT (s)",
+        &Plot {
+            title: &title,
+            x_desc: "achieved requests/s",
+            y_desc: "p95 TTFT (s)",
+            marks: &marks,
+            y_max: None,
+            slo: r.slo.ttft_s.map(SloLine::Y),
+            // Latency climbs with throughput: the upper left stays empty.
+            legend: SeriesLabelPosition::UpperLeft,
+        },
         &series,
-        &marks,
-        None,
     )?);
     Ok(files)
 }
