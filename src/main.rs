@@ -721,6 +721,11 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
             if !model.exists() {
                 bail!("--model {}: no such file or folder", model.display());
             }
+            // One clear error for a broken file here, rather than one from every replica.
+            if model.is_file() {
+                protocol::gguf::GgufHeader::open(&model)
+                    .with_context(|| format!("--model {}", model.display()))?;
+            }
             let tokenizer = a.tokenizer.clone().unwrap_or_else(|| model.clone());
             let served_model_name = model
                 .file_stem()
