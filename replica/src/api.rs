@@ -18,11 +18,11 @@ use protocol::sse::{data_event, DONE};
 use protocol::ApiError;
 use tokio::sync::mpsc;
 
-use crate::app::AppState;
 use crate::engine::{RequestStream, Submit};
 use crate::generate::ChoiceState;
+use crate::http_util::{json_response, parse_json, streaming_response, Body};
 use crate::sampling::SamplingParams;
-use crate::server::{json_response, parse_json, streaming_response, Body};
+use crate::state::AppState;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 

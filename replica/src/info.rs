@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::app::AppState;
-use crate::server::{json_response, parse_json, streaming_response, Body};
+use crate::http_util::{json_response, parse_json, streaming_response, Body};
+use crate::state::AppState;
 
 fn card(state: &AppState) -> ModelCard {
     ModelCard {

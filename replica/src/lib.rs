@@ -14,6 +14,7 @@ pub mod capacity;
 pub mod cpu;
 pub mod engine;
 pub mod generate;
+pub mod http_util;
 pub mod info;
 pub mod kv_hub;
 pub mod metrics;
@@ -24,5 +25,6 @@ pub mod sampling;
 pub mod scheduler;
 pub mod server;
 pub mod sim;
+pub mod state;
 
 pub use app::{build_server, ReplicaConfig, ReplicaServer};
