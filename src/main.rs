@@ -919,8 +919,7 @@ async fn run_bench(a: BenchArgs) -> Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| PathBuf::from("loadtest/out/latest"));
-    let (files, plot_error) = report
-        .write(&dir)
+    let (files, plot_error) = loadtest::plot::write_report(&report, &dir)
         .with_context(|| format!("cannot write the report into {}", dir.display()))?;
     for f in &files {
         println!("wrote {}", f.display());

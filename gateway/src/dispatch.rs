@@ -10,75 +10,23 @@
 //! Waiters wake when a request of the route finishes or leaves the queue, and every 20 ms
 //! otherwise (load reports and learnt models change without an event).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use config::Priority;
 use policies::RouteDecision;
 use protocol::ApiError;
-use tokio::sync::Notify;
 
-use crate::admission::{admissible, AdmissionQueue, Clock, Shed, Slo, SystemClock, Ticket};
-use crate::goodput::RouteStats;
-use crate::metrics::GatewayMetrics;
+use crate::admission::{admissible, Shed, Slo, Ticket};
 use crate::policy_store::{ActivePolicy, ActiveRoute};
-use crate::proxy::GatewayState;
 use crate::registry::PendingPrefill;
+use crate::route_runtime::RouteRuntime;
 use crate::router::Prepared;
+use crate::state::GatewayState;
 
 /// How often a waiter re-checks without being woken.
 const RECHECK: Duration = Duration::from_millis(20);
-
-/// A route's live state, kept across policy reloads by route name.
-pub struct RouteRuntime {
-    pub name: String,
-    pub queue: AdmissionQueue,
-    in_flight: AtomicU32,
-    in_flight_tokens: AtomicU64,
-    notify: Notify,
-    pub stats: RouteStats,
-    clock: SystemClock,
-}
-
-impl RouteRuntime {
-    pub fn new(name: &str, metrics: Arc<GatewayMetrics>) -> Self {
-        RouteRuntime {
-            name: name.to_string(),
-            queue: AdmissionQueue::new(0),
-            in_flight: AtomicU32::new(0),
-            in_flight_tokens: AtomicU64::new(0),
-            notify: Notify::new(),
-            stats: RouteStats::new(&metrics, name),
-            clock: SystemClock::default(),
-        }
-    }
-
-    pub fn in_flight(&self) -> u32 {
-        self.in_flight.load(Ordering::Relaxed)
-    }
-
-    pub fn in_flight_tokens(&self) -> u64 {
-        self.in_flight_tokens.load(Ordering::Relaxed)
-    }
-
-    pub fn now(&self) -> Duration {
-        self.clock.now()
-    }
-
-    pub fn now_s(&self) -> u64 {
-        self.clock.now().as_secs()
-    }
-
-    fn wake(&self) {
-        self.notify.notify_waiters();
-    }
-
-    fn update_gauges(&self) {
-        self.stats.in_flight.set(f64::from(self.in_flight()));
-        self.stats.queued.set(self.queue.len() as f64);
-    }
-}
 
 /// A dispatched request's share of its route's limits, released (and the queue woken) when
 /// the request ends.

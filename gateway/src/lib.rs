@@ -19,7 +19,9 @@ pub mod prefix_index;
 pub mod proxy;
 pub mod registry;
 pub mod relay;
+pub mod route_runtime;
 pub mod router;
 pub mod server;
+pub mod state;
 
 pub use server::{build_gateway, GatewayServer};

@@ -20,8 +20,8 @@ use policies::RoutingPolicy;
 use serde_json::{json, Value};
 
 use crate::admission::Slo;
-use crate::dispatch::RouteRuntime;
 use crate::metrics::GatewayMetrics;
+use crate::route_runtime::RouteRuntime;
 
 /// One route of the active policy.
 pub struct ActiveRoute {

@@ -16,50 +16,14 @@ use pingora::prelude::{HttpPeer, ProxyHttp};
 use pingora::proxy::Session;
 use pingora::{Error, ErrorType, Result};
 use protocol::ApiError;
-use tokio::sync::Semaphore;
 
-use crate::access_log::{AccessLog, AccessRecord};
-use crate::auth::ApiKeyStore;
+use crate::access_log::AccessRecord;
 use crate::body::read_whole_body;
 use crate::conn::GuardedStream;
 use crate::dispatch::Refusal;
-use crate::lifecycle::Lifecycle;
-use crate::policy_store::PolicyStore;
-use crate::registry::HttpClient;
-use crate::router::{Caller, Endpoint, Prepared, PromptLimits, Router};
+use crate::router::{Caller, Endpoint, Prepared, PromptLimits};
 
-/// The context limit used until a replica reports its own.
-pub const FALLBACK_MODEL_LEN: usize = 131_072;
-
-pub struct GatewayState {
-    pub router: Router,
-    pub client: HttpClient,
-    pub max_body_bytes: usize,
-    /// From the end of the request header to the end of its body.
-    pub body_timeout: Duration,
-    pub retries: u32,
-    pub retry_backoff: Duration,
-    pub first_byte_timeout: Duration,
-    pub session_header: String,
-    /// Routes, SLOs and admission thresholds (hot-reloaded).
-    pub policies: PolicyStore,
-    /// Client API keys (hot-reloaded).
-    pub keys: ApiKeyStore,
-    /// Bearer token of the admin port.
-    pub admin_token: Option<String>,
-    pub lifecycle: Arc<Lifecycle>,
-    pub access_log: AccessLog,
-    /// Prompts being tokenised at once.
-    pub tokenize_slots: Arc<Semaphore>,
-    pub tokenize_wait: Duration,
-    pub max_request_prompt_tokens: usize,
-    /// `model.max_model_len` from the gateway file.
-    pub model_len_override: Option<usize>,
-    /// Serialises admission decisions with their reservations (`dispatch.rs`).
-    pub dispatch_lock: parking_lot::Mutex<()>,
-    /// The gateway file and the hash of its text last seen, for replica-list reloads.
-    pub gateway_file: Option<(std::path::PathBuf, parking_lot::Mutex<Option<u64>>)>,
-}
+pub use crate::state::{GatewayState, FALLBACK_MODEL_LEN};
 
 pub struct GatewayProxy {
     pub state: Arc<GatewayState>,

@@ -5,7 +5,6 @@
 //! from a cold cache. One report: a JSON document, a Markdown table, and plots.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -294,25 +293,6 @@ impl CompareReport {
             ));
         }
         out
-    }
-
-    /// Writes report.json, report.md and the plots into `dir`; returns the files written.
-    pub fn write(&self, dir: &Path) -> std::io::Result<(Vec<PathBuf>, Option<String>)> {
-        std::fs::create_dir_all(dir)?;
-        let mut files = Vec::new();
-        let json = dir.join("report.json");
-        std::fs::write(&json, serde_json::to_vec_pretty(self)?)?;
-        files.push(json);
-        let md = dir.join("report.md");
-        std::fs::write(&md, self.markdown())?;
-        files.push(md);
-        match crate::plot::write_all(self, dir) {
-            Ok(mut p) => {
-                files.append(&mut p);
-                Ok((files, None))
-            }
-            Err(e) => Ok((files, Some(e))),
-        }
     }
 }
 

@@ -174,6 +174,29 @@ fn both(dir: &Path, stem: &str, plot: &Plot<'_>, series: &Series) -> Result<Vec<
     Ok(vec![png, svg])
 }
 
+/// Writes report.json, report.md and the plots into `dir`; returns the files written, and why
+/// the plots were left out when they were (no font, say).
+pub fn write_report(
+    r: &CompareReport,
+    dir: &Path,
+) -> std::io::Result<(Vec<PathBuf>, Option<String>)> {
+    std::fs::create_dir_all(dir)?;
+    let mut files = Vec::new();
+    let json = dir.join("report.json");
+    std::fs::write(&json, serde_json::to_vec_pretty(r)?)?;
+    files.push(json);
+    let md = dir.join("report.md");
+    std::fs::write(&md, r.markdown())?;
+    files.push(md);
+    match write_all(r, dir) {
+        Ok(mut p) => {
+            files.append(&mut p);
+            Ok((files, None))
+        }
+        Err(e) => Ok((files, Some(e))),
+    }
+}
+
 /// Writes every plot of `r` into `dir`.
 pub fn write_all(r: &CompareReport, dir: &Path) -> Result<Vec<PathBuf>, String> {
     font()?;

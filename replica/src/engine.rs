@@ -174,7 +174,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let seed = s
             .seed
-            .unwrap_or_else(|| crate::sim::splitmix64(id ^ 0x5eed));
+            .unwrap_or_else(|| crate::rng::splitmix64(id ^ 0x5eed));
         let req = SeqRequest {
             id,
             prompt: s.prompt,

@@ -20,6 +20,7 @@ pub mod kv_hub;
 pub mod metrics;
 pub mod model;
 pub mod profiles;
+pub mod rng;
 pub mod roofline;
 pub mod sampling;
 pub mod scheduler;

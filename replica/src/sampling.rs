@@ -4,7 +4,7 @@
 //! preempted and recomputed. Log-probabilities (OpenAI's `logprobs`) are those of the model's
 //! distribution before temperature, as vLLM reports them.
 
-use crate::sim::splitmix64;
+use crate::rng::splitmix64;
 
 /// How a request samples (defaults: OpenAI's temperature 1, no top-k, top-p 1).
 #[derive(Debug, Clone, PartialEq)]

@@ -1,0 +1,63 @@
+//! A route's live state — its admission queue, what it has in flight (requests and prompt
+//! tokens), its wake-up signal and its metrics — kept across policy reloads by route name. The
+//! policy store holds one per route; admission (`dispatch`) reserves and releases through it.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::admission::{AdmissionQueue, Clock, SystemClock};
+use crate::goodput::RouteStats;
+use crate::metrics::GatewayMetrics;
+
+/// A route's live state, kept across policy reloads by route name.
+pub struct RouteRuntime {
+    pub name: String,
+    pub queue: AdmissionQueue,
+    pub(crate) in_flight: AtomicU32,
+    pub(crate) in_flight_tokens: AtomicU64,
+    pub(crate) notify: Notify,
+    pub stats: RouteStats,
+    clock: SystemClock,
+}
+
+impl RouteRuntime {
+    pub fn new(name: &str, metrics: Arc<GatewayMetrics>) -> Self {
+        RouteRuntime {
+            name: name.to_string(),
+            queue: AdmissionQueue::new(0),
+            in_flight: AtomicU32::new(0),
+            in_flight_tokens: AtomicU64::new(0),
+            notify: Notify::new(),
+            stats: RouteStats::new(&metrics, name),
+            clock: SystemClock::default(),
+        }
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn in_flight_tokens(&self) -> u64 {
+        self.in_flight_tokens.load(Ordering::Relaxed)
+    }
+
+    pub fn now(&self) -> Duration {
+        self.clock.now()
+    }
+
+    pub fn now_s(&self) -> u64 {
+        self.clock.now().as_secs()
+    }
+
+    pub(crate) fn wake(&self) {
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn update_gauges(&self) {
+        self.stats.in_flight.set(f64::from(self.in_flight()));
+        self.stats.queued.set(self.queue.len() as f64);
+    }
+}
