@@ -608,27 +608,6 @@ impl AdmissionQueue {
         let key = e.keys().find(|k| k.2 == ticket).copied();
         key.is_some_and(|k| e.remove(&k).is_some())
     }
-
-    /// Sheds every waiter whose deadline has passed at `now`.
-    pub fn expire(&self, now: Duration, fleet_prefill_rate: Option<f64>) -> Vec<(Ticket, Shed)> {
-        let expired: Vec<(i32, Duration, Ticket)> = self
-            .entries
-            .lock()
-            .keys()
-            .filter(|k| k.1 <= now)
-            .copied()
-            .collect();
-        let mut e = self.entries.lock();
-        for k in &expired {
-            e.remove(k);
-        }
-        drop(e);
-        let retry_after = self.retry_after(fleet_prefill_rate);
-        expired
-            .into_iter()
-            .map(|k| (k.2, Shed::DeadlineGone { retry_after }))
-            .collect()
-    }
 }
 
 #[cfg(test)]
@@ -878,18 +857,13 @@ mod tests {
             }
         );
         assert_eq!(full.retry_after_secs(), 3);
+        // The first waiter leaves (its deadline passed: dispatch sheds it); the backlog that
+        // remains is b's 5k tokens, half a second at 10k tokens/s.
         clock.advance(1500 * MS);
-        let shed = q.expire(clock.now(), Some(10_000.0));
-        assert_eq!(
-            shed,
-            vec![(
-                a,
-                Shed::DeadlineGone {
-                    retry_after: 500 * MS
-                }
-            )]
-        );
-        assert_eq!(shed[0].1.retry_after_secs(), 1);
+        assert!(q.remove(a));
+        let retry_after = q.retry_after(Some(10_000.0));
+        assert_eq!(retry_after, 500 * MS);
+        assert_eq!(Shed::DeadlineGone { retry_after }.retry_after_secs(), 1);
         assert_eq!(q.head(), Some(b));
         assert_eq!(q.len(), 1);
     }
