@@ -19,6 +19,7 @@
 
 pub mod attention;
 pub mod dot;
+pub mod kquant;
 pub mod matrix;
 pub mod ops;
 pub mod quant;

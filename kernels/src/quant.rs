@@ -60,8 +60,9 @@ impl Format {
     }
 }
 
+/// The little-endian f16 at byte `at` of `b`, as f32.
 #[inline]
-pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
+pub fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 

@@ -105,6 +105,8 @@ pub mod ggml_type {
     pub const Q4_0: u32 = 2;
     pub const Q4_1: u32 = 3;
     pub const Q8_0: u32 = 8;
+    pub const Q4_K: u32 = 12;
+    pub const Q6_K: u32 = 14;
     pub const BF16: u32 = 30;
 
     /// The type's name, for messages.
@@ -144,6 +146,8 @@ pub mod ggml_type {
             Q4_0 => Some((32, 18)),
             Q4_1 => Some((32, 20)),
             Q8_0 => Some((32, 34)),
+            Q4_K => Some((256, 144)),
+            Q6_K => Some((256, 210)),
             _ => None,
         }
     }

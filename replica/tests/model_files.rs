@@ -230,13 +230,13 @@ fn broken_files_are_errors_that_name_what_is_wrong() {
 
     // A tensor of a type kvgate does not read.
     let mut tensors = tiny_tensors();
-    tensors[4].2 = 12; // Q4_K
+    tensors[4].2 = 13; // Q5_K
     let p = write_gguf(&dir, "qk.gguf", &tiny_metadata(), &tensors);
     let e = LlamaWeights::load(&p, LoadOptions::default())
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("blk.0.attn_q.weight") && e.contains("Q4_K"),
+        e.contains("blk.0.attn_q.weight") && e.contains("Q5_K"),
         "{e}"
     );
 

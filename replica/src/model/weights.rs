@@ -11,6 +11,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kernels::kquant::KQuant;
 use kernels::matrix::SharedBytes;
 use kernels::{Format, Matrix};
 use protocol::gguf::{ggml_type, GgufError, GgufHeader};
@@ -424,6 +425,46 @@ fn io(path: &Path, e: std::io::Error) -> LoadError {
     }
 }
 
+/// A K-quant matrix as the kernels run it: each row decoded and re-quantised to Q8_0 (finer
+/// than Q4_K or Q6_K), or widened to f32 when asked.
+fn k_quant_matrix(
+    kind: KQuant,
+    rows: usize,
+    cols: usize,
+    src: &[u8],
+    dequantize: bool,
+) -> Result<Matrix, String> {
+    let row = kind.row_bytes(cols).ok_or_else(|| {
+        format!(
+            "{} rows must be whole 256-value super-blocks, got {cols} columns",
+            kind.name()
+        )
+    })?;
+    if src.len() != row * rows {
+        return Err(format!(
+            "{} bytes for {rows}x{cols} {}",
+            src.len(),
+            kind.name()
+        ));
+    }
+    let mut values = vec![0f32; cols];
+    if dequantize {
+        let mut all = Vec::with_capacity(rows * cols);
+        for r in src.chunks_exact(row) {
+            kind.dequantize_row(r, &mut values);
+            all.extend_from_slice(&values);
+        }
+        return Ok(Matrix::from_f32(rows, cols, all));
+    }
+    let mut q8 = Vec::with_capacity(rows * Format::Q8_0.row_bytes(cols).unwrap_or(0));
+    for r in src.chunks_exact(row) {
+        kind.dequantize_row(r, &mut values);
+        q8.extend(kernels::quant::quantize_row(Format::Q8_0, &values));
+    }
+    let len = q8.len();
+    Matrix::from_bytes(Format::Q8_0, rows, cols, Arc::new(q8), 0, len).map_err(|e| e.to_string())
+}
+
 /// Maps the model file read-only.
 #[allow(unsafe_code)]
 fn map(file: &File) -> std::io::Result<memmap2::Mmap> {
@@ -474,6 +515,17 @@ impl GgufSource<'_> {
         if dims != want {
             return Err(self.err(name, format!("dims {:?}, expected {:?}", t.dims, want)));
         }
+        if let Some(kind) = match t.ggml_type {
+            ggml_type::Q4_K => Some(KQuant::Q4K),
+            ggml_type::Q6_K => Some(KQuant::Q6K),
+            _ => None,
+        } {
+            let len = t.bytes.expect("sized for supported types") as usize;
+            let at = t.offset as usize;
+            let src = &(*self.bytes).as_ref()[at..at + len];
+            return k_quant_matrix(kind, rows, cols, src, self.opts.dequantize)
+                .map_err(|what| self.err(name, what));
+        }
         let format = match t.ggml_type {
             ggml_type::F32 => Format::F32,
             ggml_type::F16 => Format::F16,
@@ -485,9 +537,9 @@ impl GgufSource<'_> {
                 return Err(self.err(
                     name,
                     format!(
-                        "type {} ({other}); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1",
-                        ggml_type::name(other)
-                    ),
+                    "type {} ({other}); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K",
+                    ggml_type::name(other)
+                ),
                 ))
             }
         };
@@ -505,5 +557,35 @@ impl GgufSource<'_> {
             return Ok(Matrix::from_f32(rows, cols, m.to_f32()));
         }
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn k_quant_rows_become_q8_0_within_its_rounding() {
+        // Two Q6_K rows of 256 values: random payload, sane scales.
+        let mut src = Vec::new();
+        for r in 0..2u32 {
+            let mut blk: Vec<u8> = (0..210u32)
+                .map(|i| (i.wrapping_mul(2654435761).wrapping_add(r * 97) >> 13) as u8)
+                .collect();
+            blk[208..210].copy_from_slice(&[0x1f, 0x21]); // f16 0.01
+            src.extend(blk);
+        }
+        let m = k_quant_matrix(KQuant::Q6K, 2, 256, &src, false).unwrap();
+        assert_eq!(m.format(), Format::Q8_0);
+        let mut exact = vec![0f32; 256];
+        KQuant::Q6K.dequantize_row(&src[210..], &mut exact);
+        let mut got = vec![0f32; 256];
+        m.row_f32(1, &mut got);
+        let amax = exact.iter().fold(0f32, |a, v| a.max(v.abs()));
+        for (g, e) in got.iter().zip(&exact) {
+            assert!((g - e).abs() <= amax / 127.0, "{g} vs {e}");
+        }
+        let err = k_quant_matrix(KQuant::Q4K, 1, 128, &src[..144], false).unwrap_err();
+        assert!(err.contains("256-value super-blocks"), "{err}");
     }
 }
