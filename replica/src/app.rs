@@ -432,7 +432,7 @@ pub async fn build_server(
     tracing::info!(
         replica = %info.replica_id,
         model = %info.served_model_name,
-        gpu = %info.gpu,
+        device = %info.gpu,
         num_blocks,
         max_model_len,
         "replica ready"
