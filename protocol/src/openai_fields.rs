@@ -9,12 +9,10 @@ use serde_json::{Map, Value};
 
 use crate::ApiError;
 
-/// Fields the replica implements or that carry no request for behaviour.
-const CHAT_FIELDS: &[&str] = &[
+/// Fields both endpoints take: implemented, or carrying no request for behaviour.
+const COMMON_FIELDS: &[&str] = &[
     "model",
-    "messages",
     "max_tokens",
-    "max_completion_tokens",
     "stream",
     "stream_options",
     "temperature",
@@ -27,41 +25,29 @@ const CHAT_FIELDS: &[&str] = &[
     "priority",
     "cache_salt",
     "ignore_eos",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "chat_template_kwargs",
-    "add_generation_prompt",
     "logprobs",
-    "top_logprobs",
-    "metadata",
-    "store",
-    "service_tier",
     // Request ids that routers add for their own bookkeeping (sglang-router's `rid`).
     "rid",
     "request_id",
 ];
 
-const COMPLETION_FIELDS: &[&str] = &[
-    "model",
-    "prompt",
-    "max_tokens",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "user",
-    "n",
-    "priority",
-    "cache_salt",
-    "ignore_eos",
-    "logprobs",
-    "rid",
-    "request_id",
+/// Fields only chat completions take.
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "top_logprobs",
+    "metadata",
+    "store",
+    "service_tier",
 ];
+
+/// Fields only (legacy) completions take.
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
 
 /// Fields that may be present with a value that asks for nothing.
 fn inert(key: &str, v: &Value) -> bool {
@@ -106,7 +92,8 @@ fn refuse(key: &str, v: &Value) -> ApiError {
 
 fn check(doc: &Map<String, Value>, allowed: &[&str]) -> Result<(), ApiError> {
     for (k, v) in doc {
-        if v.is_null() || allowed.contains(&k.as_str()) || inert(k, v) {
+        let known = COMMON_FIELDS.contains(&k.as_str()) || allowed.contains(&k.as_str());
+        if v.is_null() || known || inert(k, v) {
             continue;
         }
         return Err(refuse(k, v));

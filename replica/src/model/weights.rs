@@ -106,11 +106,7 @@ impl LlamaWeights {
             if path.join("config.json").exists() {
                 return Self::from_hf_dir(path, opts);
             }
-            let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
-                .map_err(|e| io(path, e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
-                .collect();
+            let ggufs = files_with_extension(path, "gguf")?;
             return match ggufs.as_slice() {
                 [one] => Self::from_gguf(one, opts),
                 [] => Err(LoadError::Unsupported {
@@ -194,12 +190,7 @@ impl LlamaWeights {
             .get("tie_word_embeddings")
             .and_then(serde_json::Value::as_bool)
             .unwrap_or(false);
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| io(dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
+        let files = files_with_extension(dir, "safetensors")?;
         if files.is_empty() {
             return Err(LoadError::Unsupported {
                 path: dir.display().to_string(),
@@ -416,6 +407,17 @@ fn permute_rope_rows(w: Vec<f32>, heads: usize, cols: usize, to_interleaved: boo
         }
     }
     out
+}
+
+/// The files in `dir` named `*.ext`, sorted.
+fn files_with_extension(dir: &Path, ext: &str) -> Result<Vec<PathBuf>, LoadError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == ext))
+        .collect();
+    files.sort();
+    Ok(files)
 }
 
 fn io(path: &Path, e: std::io::Error) -> LoadError {
