@@ -1,6 +1,8 @@
 //! The `kvgate` binary: argument parsing and wiring only. Each subcommand hands a validated
 //! configuration to its crate.
 
+mod up;
+
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -31,7 +33,7 @@ enum Command {
     /// Run the prefix-aware gateway in front of running replicas.
     Gateway(GatewayArgs),
     /// Start a gateway and N sim replicas on free ports, on the default model files.
-    Up(UpArgs),
+    Up(up::UpArgs),
     /// Write a GGUF file's tokenizer as tokenizer.json + tokenizer_config.json (for tools that
     /// want a tokenizer folder; kvgate itself reads the GGUF file directly).
     ExportTokenizer(ExportTokenizerArgs),
@@ -152,45 +154,6 @@ struct GatewayArgs {
 }
 
 #[derive(Args)]
-struct UpArgs {
-    /// Replica backend: sim (4 simulated replicas) or cpu (2 replicas of a real model, the
-    /// machine's cores split between them).
-    #[arg(long, default_value = "sim")]
-    backend: String,
-    /// Number of replicas (default: 4 for sim, 2 for cpu).
-    #[arg(long)]
-    replicas: Option<usize>,
-    /// Gateway port (0: any free port).
-    #[arg(long, default_value_t = 8080)]
-    port: u16,
-    /// Admin/metrics port (0: any free port).
-    #[arg(long, default_value_t = 9090)]
-    admin_port: u16,
-    /// Replica model: a profile for sim; for cpu a GGUF file or Hugging Face folder
-    /// (default: models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf).
-    #[arg(long, default_value = "qwen3-8b")]
-    model: String,
-    /// Replica GPU profile.
-    #[arg(long, default_value = "h100")]
-    gpu: String,
-    /// Policy file (routes, SLOs, admission; hot-reloaded). Default: the embedded
-    /// config/policy.toml.
-    #[arg(long)]
-    policy_file: Option<PathBuf>,
-    /// Replace the policy file's default routing policy: round_robin, least_load,
-    /// consistent_hash, session or prefix_aware.
-    #[arg(long)]
-    policy: Option<String>,
-    /// Folder with tokenizer.json and tokenizer_config.json, or a GGUF file (default:
-    /// models/qwen3 for sim, the model's own for cpu).
-    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
-    tokenizer: Option<PathBuf>,
-    /// Extra flags for every replica, e.g. --replica-arg=--time-scale=0.1
-    #[arg(long = "replica-arg", allow_hyphen_values = true)]
-    replica_args: Vec<String>,
-}
-
-#[derive(Args)]
 struct ModelArgs {
     /// Built-in profile (qwen3-8b, llama-3.1-8b, mistral-7b, llama-3.1-70b-tp4) or a HF config.json.
     #[arg(long, default_value = "qwen3-8b")]
@@ -306,9 +269,9 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
         if model != "qwen3-8b" {
             bail!("--model {model}: no such file or folder (the cpu backend takes a GGUF file or a Hugging Face folder)");
         }
-        model = default_model_file()
+        model = up::default_model_file()
             .ok_or_else(|| {
-                anyhow!("no model given and the default ({DEFAULT_MODEL_FILE}) is missing: run scripts/fetch-models.sh or pass --model FILE")
+                anyhow!("no model given and the default ({}) is missing: run scripts/fetch-models.sh or pass --model FILE", up::DEFAULT_MODEL_FILE)
             })?
             .display()
             .to_string();
@@ -534,282 +497,6 @@ async fn serve_gateway(
     Ok(())
 }
 
-/// The default real model for the cpu backend, relative to the checkout.
-const DEFAULT_MODEL_FILE: &str = "models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// Where a checkout's files may be: the working directory and the binary's ancestors.
-fn checkout_roots() -> Vec<PathBuf> {
-    let mut roots: Vec<PathBuf> = std::env::current_dir().into_iter().collect();
-    if let Ok(exe) = std::env::current_exe() {
-        roots.extend(exe.ancestors().skip(1).take(4).map(PathBuf::from));
-    }
-    roots
-}
-
-/// The default real model, when it has been fetched.
-fn default_model_file() -> Option<PathBuf> {
-    checkout_roots()
-        .into_iter()
-        .map(|r| r.join(DEFAULT_MODEL_FILE))
-        .find(|p| p.is_file())
-}
-
-/// The checkout root holding the default model files (the Qwen3 tokenizer and the SmolLM2
-/// model), fetched first (scripts/fetch-models.sh, checksummed) when they are missing and the
-/// script is at hand: `kvgate up` needs no step before it.
-fn default_files_or_fetch() -> Result<PathBuf> {
-    let roots = checkout_roots();
-    if let Some(r) = roots.iter().find(|r| {
-        r.join("models/qwen3/tokenizer.json").is_file() && r.join(DEFAULT_MODEL_FILE).is_file()
-    }) {
-        return Ok(r.clone());
-    }
-    let script = roots
-        .iter()
-        .map(|r| r.join("scripts/fetch-models.sh"))
-        .find(|p| p.exists())
-        .ok_or_else(|| {
-            anyhow!("no tokenizer found and no scripts/fetch-models.sh to fetch it: pass --tokenizer DIR")
-        })?;
-    println!(
-        "default model files missing; fetching them with {}",
-        script.display()
-    );
-    let status = std::process::Command::new("bash")
-        .arg(&script)
-        .status()
-        .context("cannot run scripts/fetch-models.sh")?;
-    if !status.success() {
-        bail!("scripts/fetch-models.sh failed ({status}); see its output above");
-    }
-    let root = script
-        .parent()
-        .and_then(|p| p.parent())
-        .filter(|r| {
-            r.join("models/qwen3/tokenizer.json").is_file() && r.join(DEFAULT_MODEL_FILE).is_file()
-        })
-        .ok_or_else(|| {
-            anyhow!("scripts/fetch-models.sh ran but the model files are still missing")
-        })?;
-    Ok(root.to_path_buf())
-}
-
-/// A random token for `kvgate up`'s fleet (its replicas and its gateway share it).
-fn random_token() -> Result<String> {
-    use std::io::Read;
-    let mut bytes = [0u8; 24];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .context("cannot read /dev/urandom for the fleet token")?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// Starts `a.replicas` replica processes on free ports (all at once) and returns them with
-/// their addresses. Each child exits when our end of its stdin closes, so no replica outlives
-/// this process, however it ends.
-async fn start_replicas(
-    a: &UpArgs,
-    fleet: &Fleet,
-    fleet_token: &str,
-) -> Result<Vec<(tokio::process::Child, String)>> {
-    use tokio::io::AsyncBufReadExt;
-    let exe = std::env::current_exe().context("cannot find the kvgate binary")?;
-    let mut starting = Vec::new();
-    for i in 0..fleet.replicas {
-        let mut cmd = tokio::process::Command::new(&exe);
-        cmd.args(["replica", "--port", "0", "--backend", fleet.backend])
-            .arg("--model")
-            .arg(&fleet.model);
-        if fleet.backend == "sim" {
-            cmd.args(["--gpu", &a.gpu]);
-        }
-        if let Some(t) = fleet.threads {
-            cmd.arg("--threads").arg(t.to_string());
-        }
-        let tokenizer = &fleet.tokenizer;
-        cmd.arg("--replica-id")
-            .arg(format!("replica-{i}"))
-            .arg("--tokenizer")
-            .arg(tokenizer)
-            .arg("--exit-with-stdin")
-            // Only the gateway may reach them: internal endpoints and /v1/* need the fleet token.
-            .arg("--restrict-api")
-            .env(gateway::auth::FLEET_TOKEN_ENV, fleet_token)
-            .args(&a.replica_args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        // Their own process group: a terminal's Ctrl-C reaches only `kvgate up`, which drains
-        // the gateway first and then stops the replicas.
-        #[cfg(unix)]
-        cmd.process_group(0);
-        let mut child = cmd.spawn().context("cannot start a replica")?;
-        let stdout = child.stdout.take().context("replica stdout")?;
-        starting.push((child, tokio::io::BufReader::new(stdout).lines()));
-    }
-    let mut out = Vec::new();
-    for (i, (child, mut lines)) in starting.into_iter().enumerate() {
-        let addr = loop {
-            let line = tokio::time::timeout(std::time::Duration::from_secs(300), lines.next_line())
-                .await
-                .with_context(|| format!("replica-{i} did not start within 300 s"))??
-                .ok_or_else(|| {
-                    anyhow!("replica-{i} exited before it was ready (see its log above)")
-                })?;
-            if let Some((_, url)) = line.split_once(" at http://") {
-                break url.trim().to_string();
-            }
-        };
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        println!("replica-{i} at http://{addr}");
-        out.push((child, addr));
-    }
-    Ok(out)
-}
-
-/// What `kvgate up` starts.
-struct Fleet {
-    backend: &'static str,
-    replicas: usize,
-    model: String,
-    tokenizer: PathBuf,
-    served_model_name: String,
-    /// Compute threads per replica (cpu).
-    threads: Option<usize>,
-    /// The policy file embedded when none is given: config/policy.toml, or
-    /// config/policy-cpu.toml (promises a CPU can keep) for cpu replicas.
-    embedded_policy: &'static str,
-}
-
-fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
-    let backend = BackendKind::parse(&a.backend)
-        .ok_or_else(|| anyhow!("--backend must be sim or cpu, got `{}`", a.backend))?;
-    match backend {
-        BackendKind::Sim => {
-            let replicas = a.replicas.unwrap_or(4);
-            if replicas == 0 || replicas > 64 {
-                bail!("--replicas must be between 1 and 64");
-            }
-            let tokenizer = match &a.tokenizer {
-                Some(d) => d.clone(),
-                None => default_files_or_fetch()?.join("models/qwen3"),
-            };
-            Ok(Fleet {
-                backend: "sim",
-                replicas,
-                model: a.model.clone(),
-                tokenizer,
-                served_model_name: served_model_name(&a.model),
-                threads: None,
-                embedded_policy: config::routes::DEFAULT_POLICY,
-            })
-        }
-        BackendKind::Cpu => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let replicas = a.replicas.unwrap_or(2);
-            if replicas == 0 || replicas > cores.max(2) * 4 {
-                bail!(
-                    "--replicas must be between 1 and {} on this machine",
-                    cores.max(2) * 4
-                );
-            }
-            let model = if a.model == "qwen3-8b" {
-                default_files_or_fetch()?.join(DEFAULT_MODEL_FILE)
-            } else {
-                PathBuf::from(&a.model)
-            };
-            if !model.exists() {
-                bail!("--model {}: no such file or folder", model.display());
-            }
-            // One clear error for a broken file here, rather than one from every replica.
-            if model.is_file() {
-                protocol::gguf::GgufHeader::open(&model)
-                    .with_context(|| format!("--model {}", model.display()))?;
-            }
-            let tokenizer = a.tokenizer.clone().unwrap_or_else(|| model.clone());
-            let served_model_name = model
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".into());
-            Ok(Fleet {
-                backend: "cpu",
-                replicas,
-                model: model.display().to_string(),
-                tokenizer,
-                served_model_name,
-                // Real replicas split the cores rather than fight over them.
-                threads: Some((cores / replicas).max(1)),
-                embedded_policy: config::routes::CPU_POLICY,
-            })
-        }
-        BackendKind::Cuda => bail!("the cuda backend is not built yet; use --backend sim or cpu"),
-    }
-}
-
-async fn run_up(a: UpArgs) -> Result<()> {
-    let fleet = plan_fleet(&a)?;
-    let tokenizer = fleet.tokenizer.clone();
-    let policy = a
-        .policy
-        .as_ref()
-        .map(|k| {
-            config::PolicyConfig::from_toml(&format!("kind = {k:?}"))
-                .with_context(|| format!("unknown policy `{k}`"))
-        })
-        .transpose()?;
-    let fleet_token = random_token()?;
-    let shutdown = shutdown_signal();
-    tokio::pin!(shutdown);
-    let children = tokio::select! {
-        r = start_replicas(&a, &fleet, &fleet_token) => r?,
-        _ = &mut shutdown => {
-            println!("interrupted while starting replicas; stopping them");
-            return Ok(());
-        }
-    };
-    let mut cfg = config::GatewayConfig::with_replicas(
-        children.iter().map(|(_, addr)| addr.clone()).collect(),
-    );
-    cfg.listen = format!("127.0.0.1:{}", a.port);
-    cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
-    cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
-    cfg.model.name = fleet.served_model_name.clone();
-    cfg.auth.fleet_token = Some(fleet_token);
-    match &a.policy_file {
-        Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
-        Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
-        None => {
-            let mut file = config::PolicyFile::from_toml(fleet.embedded_policy, &cfg.replicas)
-                .context("the embedded policy file is invalid")?;
-            if let Some(p) = policy {
-                file.policy = p;
-            }
-            cfg.embedded_policy = Some(file);
-        }
-    }
-    cfg.validate()?;
-    let n = children.len();
-    let result = serve_gateway(cfg, shutdown, n).await;
-    // The gateway has drained: nothing is in flight at the replicas. Closing their stdin
-    // makes each drain and exit; one that does not within 10 s is killed.
-    println!("stopping {n} replicas");
-    let mut children: Vec<tokio::process::Child> =
-        children.into_iter().map(|(child, _)| child).collect();
-    for child in &mut children {
-        drop(child.stdin.take());
-    }
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    for child in &mut children {
-        if tokio::time::timeout_at(deadline, child.wait())
-            .await
-            .is_err()
-        {
-            let _ = child.kill().await;
-        }
-    }
-    result
-}
-
 async fn run_bench(a: BenchArgs) -> Result<()> {
     use loadtest::run::{Slo, Workload};
     let workload = match (a.workload.as_str(), &a.trace) {
@@ -968,7 +655,7 @@ fn main() -> Result<()> {
         Command::Up(a) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?
-            .block_on(run_up(a)),
+            .block_on(up::run_up(a)),
         Command::Bench(a) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?
