@@ -50,7 +50,7 @@ struct BenchArgs {
     /// Model name sent in every request (the served name).
     #[arg(long, default_value = "Qwen3-8B")]
     model: String,
-    /// chat, agent, rag, mixed-tail or trace (with --trace).
+    /// chat, agent, rag, mixed-tail, bursty (popular prefixes in clusters) or trace (with --trace).
     #[arg(long, default_value = "chat")]
     workload: String,
     /// JSONL trace to replay (timestamp + prompt or messages + max_tokens per line). Its
@@ -504,11 +504,9 @@ async fn run_bench(a: BenchArgs) -> Result<()> {
             Workload::Trace(std::sync::Arc::new(loadtest::trace::Trace::load(p)?))
         }
         ("trace", None) => bail!("--workload trace needs --trace FILE"),
-        (w, None) => {
-            Workload::Generated(loadtest::workload::Kind::parse(w).ok_or_else(|| {
-                anyhow!("--workload must be chat, agent, rag, mixed-tail or trace")
-            })?)
-        }
+        (w, None) => Workload::Generated(loadtest::workload::Kind::parse(w).ok_or_else(|| {
+            anyhow!("--workload must be chat, agent, rag, mixed-tail, bursty or trace")
+        })?),
     };
     let rates: Vec<f64> = match (a.rate, a.rates.is_empty()) {
         (Some(r), _) => vec![r],

@@ -43,6 +43,15 @@ fn default_load_weight() -> f64 {
 fn default_kv_usage_weight() -> f64 {
     512.0
 }
+fn default_stall_weight() -> f64 {
+    0.05
+}
+fn default_tie_ms() -> f64 {
+    50.0
+}
+fn default_tie_ratio() -> f64 {
+    0.1
+}
 fn default_abs_threshold() -> u32 {
     16
 }
@@ -56,10 +65,37 @@ fn default_fallback() -> Box<PolicyConfig> {
     Box::new(PolicyConfig::PrefixAware(PrefixAwareConfig::default()))
 }
 
+/// What `prefix_aware` minimises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CostModel {
+    /// Predicted time to first token at each replica, in seconds (queued prefill, this
+    /// request's uncached tokens, the learnt prefill rate, decode interference), plus the stall
+    /// the prefill imposes on the replica's running streams.
+    #[default]
+    Ttft,
+    /// Uncached prompt tokens against requests at the replica (`prefill_weight`,
+    /// `load_weight`, `kv_usage_weight`): the pre-0.2 cost, kept for comparison.
+    Tokens,
+}
+
 /// Parameters of `prefix_aware` (see `policies::prefix_aware` for the scoring).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrefixAwareConfig {
+    /// What the policy minimises (`ttft`, the default, or `tokens`).
+    #[serde(default)]
+    pub cost: CostModel,
+    /// `ttft` cost: seconds of cost per second of stall this request's prefill imposes on each
+    /// stream already running at the replica (the inter-token promise of others).
+    #[serde(default = "default_stall_weight")]
+    pub stall_weight: f64,
+    /// `ttft` cost: replicas whose cost is within `max(tie_ms, tie_ratio × best)` of the
+    /// cheapest count as tied, and the one holding the longest prefix wins among them.
+    #[serde(default = "default_tie_ms")]
+    pub tie_ms: f64,
+    #[serde(default = "default_tie_ratio")]
+    pub tie_ratio: f64,
     /// Cost of one uncached prompt token (prefill work).
     #[serde(default = "default_prefill_weight")]
     pub prefill_weight: f64,
@@ -81,6 +117,10 @@ pub struct PrefixAwareConfig {
 impl Default for PrefixAwareConfig {
     fn default() -> Self {
         PrefixAwareConfig {
+            cost: CostModel::default(),
+            stall_weight: default_stall_weight(),
+            tie_ms: default_tie_ms(),
+            tie_ratio: default_tie_ratio(),
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
@@ -225,6 +265,9 @@ impl PolicyConfig {
                     ("prefill_weight", c.prefill_weight),
                     ("load_weight", c.load_weight),
                     ("kv_usage_weight", c.kv_usage_weight),
+                    ("stall_weight", c.stall_weight),
+                    ("tie_ms", c.tie_ms),
+                    ("tie_ratio", c.tie_ratio),
                 ] {
                     v.check(
                         x.is_finite() && x >= 0.0,

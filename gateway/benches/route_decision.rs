@@ -72,9 +72,19 @@ fn bench(c: &mut Criterion) {
     let _guard = rt.enter();
     let policy = policies::build(&config::PolicyConfig::default());
     let decide = |r: &Router, p: &gateway::router::Prepared| {
+        // What placement does for a dispatch with admission off: one fleet snapshot, the
+        // index's match counts, the policy.
         let matched = r.matched(p);
-        r.decide_in(policy.as_ref(), p, &matched, &[], false)
-            .unwrap()
+        let set = r.registry.snapshot();
+        let req = policies::RouteRequest {
+            block_hashes: &p.hashes,
+            prompt_tokens: p.prompt_tokens,
+            block_size: r.block_size,
+            matched_blocks: &matched,
+            session_id: p.session_id.as_deref(),
+            dry_run: false,
+        };
+        policy.route(&req, &set).unwrap()
     };
     let mut g = c.benchmark_group("route_decision_32k_chat");
     g.sample_size(20);

@@ -39,6 +39,9 @@ pub struct AccessRecord {
     pub queue_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
+    /// What placement predicted the replica's time to first token would be.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft_ms: Option<f64>,
     pub e2e_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

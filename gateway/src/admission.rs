@@ -293,6 +293,11 @@ impl LatencyModel {
         self.ttft.coefficients().0
     }
 
+    /// The TTFT fit as learnt: overhead (s) and seconds per prefill token.
+    pub fn ttft_coefficients(&self) -> (f64, f64) {
+        self.ttft.coefficients()
+    }
+
     /// An inter-token gap observed while the replica ran `batch` sequences.
     pub fn observe_itl(&mut self, batch: u32, gap: Duration) {
         self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
@@ -387,6 +392,32 @@ pub enum Hold {
         usage: f64,
     },
     Preempting,
+}
+
+impl std::fmt::Display for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Hold::Ttft { predicted } => write!(
+                f,
+                "predicted TTFT {:.3} s is over the route's target",
+                predicted.as_secs_f64()
+            ),
+            Hold::Itl { predicted } => write!(
+                f,
+                "predicted decode step {:.1} ms with one more sequence is over the inter-token target",
+                predicted.as_secs_f64() * 1e3
+            ),
+            Hold::Stalls { share } => write!(
+                f,
+                "{:.1}% of its recent gaps already exceed the inter-token target (budget 5%) and this prefill would stall them again",
+                share * 100.0
+            ),
+            Hold::KvHighWater { usage } => {
+                write!(f, "projected KV usage {:.0}% is over the high-water mark", usage * 100.0)
+            }
+            Hold::Preempting => f.write_str("it preempted sequences within the hold-off"),
+        }
+    }
 }
 
 impl Hold {
@@ -528,6 +559,11 @@ impl AdmissionQueue {
 
     pub fn is_empty(&self) -> bool {
         self.entries.lock().is_empty()
+    }
+
+    /// A new waiter would be shed with `queue_full`.
+    pub fn is_full(&self) -> bool {
+        self.len() >= self.capacity.load(Ordering::Relaxed)
     }
 
     /// Prompt tokens waiting in the queue.

@@ -18,7 +18,8 @@ use config::Priority;
 use policies::RouteDecision;
 use protocol::ApiError;
 
-use crate::admission::{admissible, Shed, Slo, Ticket};
+use crate::admission::{Shed, Ticket};
+use crate::placement::{Outcome, Purpose};
 use crate::policy_store::{ActivePolicy, ActiveRoute};
 use crate::registry::PendingPrefill;
 use crate::route_runtime::RouteRuntime;
@@ -103,134 +104,7 @@ pub enum Refusal {
     Error(ApiError),
 }
 
-enum Wait {
-    /// Not now, and why. `blocking`: the route as a whole has no room (its limits, or no
-    /// admissible replica in its pool), so those behind wait their turn; otherwise only this
-    /// request's preferred replica is busy (affinity patience) and others may go ahead.
-    Hold {
-        reason: &'static str,
-        blocking: bool,
-    },
-    Fail(ApiError),
-}
-
 impl GatewayState {
-    /// Uncached prompt tokens of `p` at replica `i`.
-    fn uncached(&self, p: &Prepared, matched: &[usize], i: usize) -> u64 {
-        p.prompt_tokens
-            .saturating_sub(matched.get(i).copied().unwrap_or(0) * self.router.block_size)
-            as u64
-    }
-
-    /// One attempt to place `p` now.
-    fn try_dispatch(
-        &self,
-        a: &ActivePolicy,
-        route: &ActiveRoute,
-        p: &Prepared,
-        matched: &[usize],
-        waited: Duration,
-    ) -> Result<RouteDecision, Wait> {
-        let (cfg, rt) = (&route.cfg, &route.rt);
-        if cfg.max_concurrency.is_some_and(|m| rt.in_flight() >= m) {
-            return Err(Wait::Hold {
-                reason: "concurrency",
-                blocking: true,
-            });
-        }
-        // A single request larger than the whole budget still goes, alone.
-        if cfg.max_prompt_tokens_in_flight.is_some_and(|b| {
-            rt.in_flight() > 0 && rt.in_flight_tokens() + p.prompt_tokens as u64 > b
-        }) {
-            return Err(Wait::Hold {
-                reason: "token_budget",
-                blocking: true,
-            });
-        }
-        let registry = &self.router.registry;
-        let replicas = registry.replicas();
-        let mut exclude: Vec<usize> = (0..replicas.len())
-            .filter(|i| !route.pool.contains(i))
-            .collect();
-        let outside = exclude.clone();
-        let mut hold: Option<&'static str> = None;
-        let mut held: Vec<(usize, &'static str)> = Vec::new();
-        if cfg.admission {
-            let h = a.file.admission_headroom;
-            // A route without an inter-token promise (batch work) still may not break the
-            // promise of the routes it shares replicas with: it yields to the strictest.
-            let itl = route.slo.itl.or_else(|| a.strictest_itl(&route.pool));
-            let slo = Slo {
-                ttft: route.slo.ttft.map(|t| t.mul_f64(h).saturating_sub(waited)),
-                itl: itl.map(|t| t.mul_f64(h)),
-            };
-            let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
-            for &i in &route.pool {
-                let Some(r) = replicas.get(i).filter(|r| r.is_healthy()) else {
-                    continue;
-                };
-                let pressure = registry.pressure(i, holdoff, p.prompt_tokens as u64);
-                let verdict = admissible(
-                    &r.model.lock(),
-                    &pressure,
-                    self.uncached(p, matched, i),
-                    &slo,
-                    a.file.kv_high_water,
-                );
-                if let Err(h) = verdict {
-                    exclude.push(i);
-                    hold.get_or_insert(h.label());
-                    held.push((i, h.label()));
-                }
-            }
-        }
-        // Affinity patience: when the replica the policy prefers (ignoring admission) is held
-        // and no admissible replica holds as much of the prompt, wait for it rather than send
-        // the request where it must be prefilled again — that extra prefill is what stalls
-        // everyone's decode and breaks the promise admission is keeping. After half the TTFT
-        // budget, take an admissible replica anyway.
-        let patience = route
-            .slo
-            .ttft
-            .map_or(Duration::from_millis(cfg.queue_timeout_ms / 2), |t| {
-                t.mul_f64(a.file.admission_headroom / 2.0)
-            });
-        if !held.is_empty() && waited < patience {
-            if let Ok(pref) =
-                self.router
-                    .decide_in(route.policy.as_ref(), p, matched, &outside, true)
-            {
-                if let Some(&(_, why)) = held.iter().find(|(i, _)| *i == pref.replica) {
-                    let best_admissible = route
-                        .pool
-                        .iter()
-                        .filter(|i| !exclude.contains(i))
-                        .map(|&i| matched[i])
-                        .max();
-                    if best_admissible.is_some_and(|b| b < matched[pref.replica]) {
-                        return Err(Wait::Hold {
-                            reason: why,
-                            blocking: false,
-                        });
-                    }
-                }
-            }
-        }
-        match self
-            .router
-            .decide_in(route.policy.as_ref(), p, matched, &exclude, false)
-        {
-            Ok(d) => Ok(d),
-            Err(e) => match hold {
-                Some(h) => Err(Wait::Hold {
-                    reason: h,
-                    blocking: true,
-                }),
-                None => Err(Wait::Fail(e)),
-            },
-        }
-    }
-
     /// Fleet prefill rate of the route's pool as learnt (tokens/s), for Retry-After.
     fn pool_prefill_rate(&self, route: &ActiveRoute) -> Option<f64> {
         let rates: Vec<f64> = route
@@ -305,8 +179,9 @@ impl GatewayState {
                 // Deciding and reserving (pending prefill, route counts) is one step per
                 // gateway: waiters woken together must not all admit against the same state.
                 let _serial = self.dispatch_lock.lock();
-                match self.try_dispatch(a, route, p, &matched, waited) {
-                    Ok(d) => {
+                let placed = self.place(a, route, p, &matched, Purpose::Dispatch { waited });
+                match placed.outcome {
+                    Outcome::Go(d) => {
                         self.router
                             .registry
                             .note_dispatch(d.replica, p.prompt_tokens as u64);
@@ -326,8 +201,8 @@ impl GatewayState {
                         drop(place);
                         return Ok(admitted);
                     }
-                    Err(Wait::Fail(e)) => return Err(Refusal::Error(e)),
-                    Err(Wait::Hold { reason, blocking }) => {
+                    Outcome::Fail(e) => return Err(Refusal::Error(e)),
+                    Outcome::Hold { reason, blocking } => {
                         if place.is_none() {
                             rt.stats.held(reason);
                         }

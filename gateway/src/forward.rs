@@ -26,6 +26,7 @@ use serde_json::Value;
 use crate::access_log::AccessRecord;
 use crate::dispatch::Admitted;
 use crate::goodput::Outcome;
+use crate::placement::{Outcome as Placed, Purpose};
 use crate::policy_store::{ActivePolicy, ActiveRoute};
 use crate::proxy::{is_http10, respond_error, GatewayState};
 use crate::registry::{InFlight, PendingPrefill, ReplicaHandle};
@@ -232,9 +233,6 @@ impl GatewayState {
         let mut tried: Vec<usize> = Vec::new();
         let mut last_error = ApiError::unavailable("no healthy replica is available")
             .with_code("no_healthy_replica");
-        let outside: Vec<usize> = (0..registry.slots())
-            .filter(|i| !route.pool.contains(i))
-            .collect();
         let mut first = Some(admitted.decision.clone());
         let mut aborted = Box::pin(self.lifecycle.aborted());
         for attempt in 0..=self.retries {
@@ -244,10 +242,20 @@ impl GatewayState {
             }
             let decided = match first.take() {
                 Some(d) => Ok(d),
-                None => {
-                    let exclude: Vec<usize> = outside.iter().chain(&tried).copied().collect();
-                    router.decide_in(route.policy.as_ref(), p, &admitted.matched, &exclude, false)
-                }
+                None => match self
+                    .place(
+                        active,
+                        route,
+                        p,
+                        &admitted.matched,
+                        Purpose::Retry { tried: &tried },
+                    )
+                    .outcome
+                {
+                    Placed::Go(d) => Ok(d),
+                    Placed::Fail(e) => Err(e),
+                    Placed::Hold { .. } => Err(last_error.clone()),
+                },
             };
             let d = match decided {
                 Ok(d) => d,
@@ -511,6 +519,14 @@ impl GatewayState {
                             ctx.uncached_tokens,
                             now - ctx.sent_at,
                         );
+                        if let Some(predicted) = ctx.d.predicted_ttft_s().filter(|&p| p > 0.0) {
+                            let observed = (now - ctx.sent_at).as_secs_f64();
+                            ctx.replica
+                                .metrics
+                                .ttft_prediction_ratio
+                                .record(observed / predicted);
+                            rec.predicted_ttft_ms = Some(predicted * 1e3);
+                        }
                     }
                     Some(prev) => {
                         outcome.gaps.push(now - prev);

@@ -24,7 +24,14 @@ pub struct ReplicaMetrics {
     pub prompt_tokens: Counter,
     pub predicted_hit_tokens: Counter,
     pub in_flight: Gauge,
+    /// Observed ÷ predicted time to first token of the requests placed there.
+    pub ttft_prediction_ratio: Histogram,
 }
+
+/// Buckets of observed ÷ predicted TTFT: 1 is a perfect prediction.
+const RATIO_BUCKETS: [f64; 13] = [
+    0.125, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0,
+];
 
 pub struct GatewayMetrics {
     recorder: PrometheusRecorder,
@@ -84,6 +91,8 @@ impl GatewayMetrics {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &TIMER_BUCKETS)
             .expect("bucket list is non-empty")
+            .set_buckets_for_metric(Matcher::Suffix("_ratio".into()), &RATIO_BUCKETS)
+            .expect("bucket list is non-empty")
             .build_recorder();
         let handle = recorder.handle();
         let h = |name: &'static str, help: &'static str| -> Histogram {
@@ -103,6 +112,13 @@ impl GatewayMetrics {
         describe_counter(
             "kvgate_gateway_requests_total",
             "Requests answered, by endpoint and status",
+        );
+        recorder.describe_histogram(
+            KeyName::from("kvgate_gateway_ttft_prediction_ratio"),
+            None,
+            SharedString::from(
+                "Observed ÷ predicted time to first token (at the replica, from sending) of the requests placed there, by replica",
+            ),
         );
         describe_counter(
             "kvgate_gateway_decisions_total",
@@ -306,6 +322,10 @@ impl GatewayMetrics {
             ),
             prompt_tokens: r.register_counter(
                 &Key::from_parts("kvgate_gateway_prompt_tokens_total", l()),
+                &META,
+            ),
+            ttft_prediction_ratio: r.register_histogram(
+                &Key::from_parts("kvgate_gateway_ttft_prediction_ratio", l()),
                 &META,
             ),
             predicted_hit_tokens: r.register_counter(

@@ -22,7 +22,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use parking_lot::RwLock;
-use policies::{LoadSignal, ReplicaSet, ReplicaView};
+use policies::{LoadSignal, ReplicaSet, ReplicaView, SpeedView};
 use protocol::kv_events::FrameDecoder;
 
 use arc_swap::ArcSwap;
@@ -88,6 +88,9 @@ pub struct ReplicaHandle {
     warned_at_ms: AtomicU64,
     /// `max_model_len` from the replica's `/v1/models` (0: not known yet).
     max_model_len: AtomicU64,
+    /// Prompt tokens the replica prefills per step (`chunked_prefill_size` in `/server_info`,
+    /// as kvgate and SGLang report it; 0: not known).
+    chunk_tokens: AtomicU64,
     /// Bumped each time the replica is ejected: requests waiting on it give up at once (and
     /// are retried elsewhere when nothing reached the client yet).
     ejections: tokio::sync::watch::Sender<u64>,
@@ -120,6 +123,7 @@ impl ReplicaHandle {
             capacity_tokens: AtomicU64::new(0),
             since_poll_tokens: AtomicU64::new(0),
             max_model_len: AtomicU64::new(0),
+            chunk_tokens: AtomicU64::new(0),
             warned_at_ms: AtomicU64::new(0),
             ejections: tokio::sync::watch::Sender::new(0),
         }
@@ -167,6 +171,28 @@ impl ReplicaHandle {
             waiting: reported(&self.waiting),
             running: reported(&self.running),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+impl ReplicaHandle {
+    /// What placement knows of this replica's speed now: the learnt TTFT fit, the prefill
+    /// queued ahead, the decode step with one more sequence, the chunk budget.
+    pub fn speed(&self) -> SpeedView {
+        let batch = self.load().requests() + 1;
+        let m = self.model.lock();
+        let (overhead_s, seconds_per_token) = m.ttft_coefficients();
+        let chunk = self.chunk_tokens.load(Ordering::Relaxed);
+        SpeedView {
+            overhead_s,
+            seconds_per_token,
+            queued_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
+            decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
+            chunk_tokens: if chunk > 0 {
+                chunk
+            } else {
+                SpeedView::default().chunk_tokens
+            },
         }
     }
 }
@@ -401,6 +427,7 @@ impl Registry {
                     name: r.name.clone(),
                     healthy: r.is_healthy(),
                     load: r.load(),
+                    speed: r.speed(),
                 })
                 .collect(),
         }
@@ -584,6 +611,9 @@ impl Registry {
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
             return;
         };
+        if let Some(chunk) = v["chunked_prefill_size"].as_u64().filter(|&c| c > 0) {
+            r.chunk_tokens.store(chunk, Ordering::Relaxed);
+        }
         if let Some(rate) = v["prefill_tokens_per_s"].as_f64() {
             r.model
                 .lock()

@@ -1,8 +1,7 @@
 //! From request body to routing decision: parse and validate the OpenAI request, render the chat
 //! template and tokenise (segment cache, on the blocking pool), hash the prompt's blocks with the
-//! protocol crate's one function, ask the prefix index how much of it each replica holds, and
-//! let a route's policy choose. The same path serves `explain`, which returns every
-//! intermediate value instead of sending the request.
+//! protocol crate's one function, and ask the prefix index how much of it each replica holds.
+//! Where the request goes is `placement.rs`'s question.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,17 +9,16 @@ use std::time::Instant;
 use bytes::Bytes;
 use serde::Deserialize;
 
-use policies::{RouteDecision, RouteRequest, RoutingPolicy};
+use policies::RouteDecision;
 use protocol::hashing::{block_hashes, cacheable_prompt_blocks, root_hash};
 use protocol::openai::{ChatCompletionRequest, CompletionRequest, PromptInput};
 use protocol::segment_cache::SegmentCache;
 use protocol::token_bound::LimitCheck;
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::metrics::GatewayMetrics;
-use crate::policy_store::ActiveRoute;
 use crate::registry::Registry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -326,35 +324,6 @@ impl Router {
         )
     }
 
-    /// Asks `policy` for a replica, never one in `exclude` (outside the route's pool, not
-    /// admissible, or already tried for this request).
-    pub fn decide_in(
-        &self,
-        policy: &dyn RoutingPolicy,
-        p: &Prepared,
-        matched: &[usize],
-        exclude: &[usize],
-        dry_run: bool,
-    ) -> Result<RouteDecision, ApiError> {
-        let mut set = self.registry.snapshot();
-        for &x in exclude {
-            if let Some(r) = set.replicas.get_mut(x) {
-                r.healthy = false;
-            }
-        }
-        let req = RouteRequest {
-            block_hashes: &p.hashes,
-            prompt_tokens: p.prompt_tokens,
-            block_size: self.block_size,
-            matched_blocks: matched,
-            session_id: p.session_id.as_deref(),
-            dry_run,
-        };
-        policy
-            .route(&req, &set)
-            .map_err(|e| ApiError::unavailable(e.to_string()).with_code("no_healthy_replica"))
-    }
-
     /// Records a decision that will be sent: speculative index insert and metrics.
     pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
         self.registry
@@ -367,64 +336,5 @@ impl Router {
                 .predicted_hit_tokens
                 .increment((d.matched_blocks * self.block_size) as u64);
         }
-    }
-
-    /// `POST /admin/route/explain`: the decision and everything behind it, nothing sent.
-    pub fn explain(&self, p: &Prepared, route: &ActiveRoute) -> Value {
-        let set = self.registry.snapshot();
-        let all = self.registry.replicas();
-        let matched = self.matched(p);
-        let outside: Vec<usize> = (0..set.replicas.len())
-            .filter(|i| !route.pool.contains(i))
-            .collect();
-        let decision = self.decide_in(route.policy.as_ref(), p, &matched, &outside, true);
-        let replicas: Vec<Value> = set
-            .replicas
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let score = decision
-                    .as_ref()
-                    .ok()
-                    .and_then(|d| d.scores.iter().find(|s| s.replica == i))
-                    .map(|s| s.cost);
-                json!({
-                    "replica": r.name,
-                    "healthy": r.healthy,
-                    "in_pool": route.pool.contains(&i),
-                    "kv_events": all.get(i).is_some_and(|h| h.events_live()),
-                    "retired": all.get(i).is_some_and(|h| h.is_retired()),
-                    "matched_blocks": matched.get(i).copied().unwrap_or(0),
-                    "predicted_cached_tokens": matched.get(i).copied().unwrap_or(0) * self.block_size,
-                    "load": {
-                        "in_flight": r.load.in_flight,
-                        "waiting": r.load.waiting,
-                        "running": r.load.running,
-                        "kv_usage": r.load.kv_usage,
-                    },
-                    "cost": score,
-                })
-            })
-            .collect();
-        json!({
-            "route": route.cfg.name,
-            "policy": route.policy.name(),
-            "prompt_tokens": p.prompt_tokens,
-            "block_size": self.block_size,
-            "blocks_hashed": p.hashes.len(),
-            "cacheable_blocks": p.cacheable,
-            "first_block_hashes": p.hashes.iter().take(4).map(|h| format!("{h:016x}")).collect::<Vec<_>>(),
-            "tokenize_seconds": p.tokenize_seconds,
-            "replicas": replicas,
-            "decision": match decision {
-                Ok(d) => json!({
-                    "replica": set.replicas[d.replica].name,
-                    "reason": d.reason.label(),
-                    "detail": d.reason.to_string(),
-                    "matched_blocks": d.matched_blocks,
-                }),
-                Err(e) => json!({"error": e.body.error.message}),
-            },
-        })
     }
 }

@@ -546,7 +546,7 @@ async fn admin_handle(
                         Ok(p) => {
                             let active = state.policies.load();
                             let route = active.route(p.prompt_tokens, priority);
-                            json(200, state.router.explain(&p, route).to_string())
+                            json(200, state.explain(&p, &active, route).to_string())
                         }
                         Err(e) => json(e.status, e.to_json()),
                     }

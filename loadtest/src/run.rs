@@ -43,6 +43,7 @@ impl Workload {
         seed: u64,
     ) -> (Vec<f64>, Vec<WorkItem>) {
         match self {
+            Workload::Generated(Kind::Bursty) => crate::bursty::plan(rate, duration, max, seed),
             Workload::Generated(kind) => {
                 let at: Vec<f64> = poisson_schedule(rate, duration, max, seed)
                     .iter()

@@ -10,36 +10,16 @@
 //! - `agent`: a few long shared system prompts with tool schemas and many short questions.
 //! - `rag`: long unique contexts with a short question each: little reuse.
 //! - `mixed_tail`: `chat` plus a small share of 32k-token prompts (the prompt-length tail).
+//! - `bursty`: popular long system prompts arriving in clusters (`bursty.rs`; it brings its
+//!   own arrival process).
 
 use crate::arrival::Rng;
 use protocol::openai::ChatMessage;
 
-const WORDS: &[&str] = &[
-    "the", "cache", "block", "token", "prefix", "server", "request", "model", "memory", "time",
-    "user", "answer", "system", "data", "query", "result", "batch", "queue", "latency", "route",
-    "load", "replica", "table", "file", "value", "report", "order", "price", "customer", "account",
-    "service", "network", "policy", "error", "update", "change", "support", "product", "market",
-    "team", "project", "plan", "review", "test", "build", "release", "version", "window", "page",
-    "line", "word", "number", "point", "state", "level", "rate", "cost", "week", "month", "year",
-    "and", "with", "from", "into", "over", "under", "after", "before", "about", "between", "is",
-    "was", "will", "can", "should", "must", "may", "has", "had", "does", "makes", "takes", "new",
-    "old", "large", "small", "long", "short", "high", "low", "fast", "slow", "first", "last",
-];
-
-/// `n` words of seeded text.
-pub fn text(rng: &mut Rng, n: usize) -> String {
-    let mut out = String::with_capacity(n * 7);
-    for i in 0..n {
-        if i > 0 {
-            out.push(if i % 17 == 0 { '.' } else { ' ' });
-            if i % 17 == 0 {
-                out.push(' ');
-            }
-        }
-        out.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
-    }
-    out
-}
+#[cfg(test)]
+use crate::words::approx_tokens;
+pub use crate::words::WorkItem;
+pub(crate) use crate::words::{item, text};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -47,6 +27,7 @@ pub enum Kind {
     Agent,
     Rag,
     MixedTail,
+    Bursty,
 }
 
 impl Kind {
@@ -56,6 +37,7 @@ impl Kind {
             Kind::Agent => "agent",
             Kind::Rag => "rag",
             Kind::MixedTail => "mixed-tail",
+            Kind::Bursty => "bursty",
         }
     }
 
@@ -65,45 +47,9 @@ impl Kind {
             "agent" => Some(Kind::Agent),
             "rag" => Some(Kind::Rag),
             "mixed-tail" | "mixed_tail" => Some(Kind::MixedTail),
+            "bursty" => Some(Kind::Bursty),
             _ => None,
         }
-    }
-}
-
-/// One request of a workload, in sending order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WorkItem {
-    /// Conversation it belongs to (`x-session-id`), if any.
-    pub session: Option<u64>,
-    pub messages: Vec<ChatMessage>,
-    pub max_tokens: u32,
-    /// Approximate prompt tokens (words and punctuation plus template overhead).
-    pub approx_tokens: usize,
-}
-
-fn approx_tokens(messages: &[ChatMessage]) -> usize {
-    messages
-        .iter()
-        .map(|m| {
-            // Vocabulary words are one token each; punctuation mostly splits off its own.
-            let pieces = match &m.content {
-                Some(protocol::openai::MessageContent::Text(t)) => {
-                    t.split_whitespace().count()
-                        + t.chars().filter(char::is_ascii_punctuation).count()
-                }
-                _ => 0,
-            };
-            pieces + 5
-        })
-        .sum()
-}
-
-pub(crate) fn item(session: Option<u64>, messages: Vec<ChatMessage>, max_tokens: u32) -> WorkItem {
-    WorkItem {
-        approx_tokens: approx_tokens(&messages),
-        session,
-        messages,
-        max_tokens,
     }
 }
 
@@ -118,6 +64,9 @@ pub fn generate(kind: Kind, n: usize, seed: u64) -> Vec<WorkItem> {
     match kind {
         Kind::Chat => chat(&mut rng, n),
         Kind::Agent => agent(&mut rng, n),
+        // The items of a bursty plan at 5 requests/s (their arrival times are part of the
+        // workload: `bursty::plan`).
+        Kind::Bursty => crate::bursty::plan(5.0, std::time::Duration::MAX, n, seed).1,
         Kind::Rag => (0..n)
             .map(|i| {
                 let words = length(&mut rng, 3000.0, 0.4, 800, 12_000);

@@ -1,20 +1,31 @@
-//! `prefix_aware`: send a request where its prefix is already cached, unless that costs more in
-//! queueing than it saves in prefill.
+//! `prefix_aware`: send a request where its prefix is already cached, unless waiting there
+//! costs more than prefilling it again elsewhere.
 //!
-//! For every healthy replica: `cost = uncached prompt tokens × prefill_weight (1.0) + requests
-//! at the replica × load_weight (256 token-equivalents) + KV usage ratio × kv_usage_weight
-//! (512)`, where uncached tokens come from the prefix index's longest run of consecutive
-//! matching blocks on that replica. The cheapest replica wins; among equal costs a rendezvous
-//! hash of the prompt's first block decides, so distinct prefixes spread over an idle fleet and
-//! a repeated prefix lands where its first copy went even before the index has heard back.
+//! **`cost = "ttft"` (the default)**: for every healthy replica, predict this request's time to
+//! first token from what the gateway knows of it ([`SpeedView`]): the fixed overhead, plus the
+//! prefill already queued there and this request's uncached tokens (from the prefix index's
+//! longest run of matching blocks on that replica) at the learnt seconds per token, plus the
+//! decode part of every step that prefill takes while the replica has streams running. Add the
+//! stall this request's own prefill imposes on the streams already running there
+//! (`stall_weight` × own prefill seconds × running streams). The cheapest replica wins; every
+//! replica within `max(tie_ms, tie_ratio × cheapest)` of it counts as tied, and among tied
+//! replicas the longest cached prefix wins (affinity breaks ties), then the rendezvous hash.
 //!
-//! Imbalance guard (as SGLang's cache-aware router): if the winner's load exceeds the least
-//! loaded replica's by more than `balance_abs_threshold` (16) requests and by more than
-//! `balance_rel_threshold` (1.5) ×, affinity is overridden and the cheapest replica within the
-//! absolute threshold of the minimum load is chosen instead, so affinity never becomes a hot
-//! spot.
+//! A hot prefix therefore spreads by itself: while the holder's queue is short it wins on the
+//! cache it holds; once its queued prefill makes it slower than prefilling the prefix from
+//! scratch on another replica, the request goes there (`spread`), and that replica becomes a
+//! second holder — later requests are priced across both.
+//!
+//! **`cost = "tokens"`**: `uncached prompt tokens × prefill_weight (1.0) + requests at the
+//! replica × load_weight (256 token-equivalents) + KV usage ratio × kv_usage_weight (512)`,
+//! the cheapest winning and the rendezvous hash of the prompt's first block breaking ties.
+//!
+//! Under both, an imbalance guard (as SGLang's cache-aware router): if the winner's load
+//! exceeds the least loaded replica's by more than `balance_abs_threshold` (16) requests and by
+//! more than `balance_rel_threshold` (1.5) ×, affinity is overridden and the cheapest replica
+//! within the absolute threshold of the minimum load is chosen instead.
 
-use config::policy::PrefixAwareConfig;
+use config::policy::{CostModel, PrefixAwareConfig};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::types::*;
@@ -30,17 +41,59 @@ impl PrefixAware {
         PrefixAware { cfg }
     }
 
-    fn cost(&self, req: &RouteRequest<'_>, i: usize, r: &ReplicaView) -> f64 {
+    fn score(&self, req: &RouteRequest<'_>, i: usize, r: &ReplicaView) -> ReplicaScore {
         let cached = (req.matched(i) * req.block_size).min(req.prompt_tokens);
-        let uncached = (req.prompt_tokens - cached) as f64;
-        uncached * self.cfg.prefill_weight
-            + r.load.requests() as f64 * self.cfg.load_weight
-            + r.load.kv_usage * self.cfg.kv_usage_weight
+        let uncached = (req.prompt_tokens - cached) as u64;
+        let load = r.load.requests();
+        let (cost, estimate) = match self.cfg.cost {
+            CostModel::Ttft => {
+                let e = r.speed.estimate(uncached, load);
+                let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
+                (e.ttft_s + stall, Some(e))
+            }
+            CostModel::Tokens => (
+                uncached as f64 * self.cfg.prefill_weight
+                    + f64::from(load) * self.cfg.load_weight
+                    + r.load.kv_usage * self.cfg.kv_usage_weight,
+                None,
+            ),
+        };
+        ReplicaScore {
+            replica: i,
+            matched_blocks: req.matched(i),
+            load,
+            cost,
+            estimate,
+        }
     }
 
     fn overloaded(&self, load: u32, min_load: u32) -> bool {
         load > min_load + self.cfg.balance_abs_threshold
             && load as f64 > self.cfg.balance_rel_threshold * f64::from(min_load.max(1))
+    }
+
+    /// The winner among `candidates`: under `ttft`, the longest cached prefix among those tied
+    /// with the cheapest; under `tokens`, the cheapest. The rendezvous hash breaks what is left.
+    fn pick<'s>(
+        &self,
+        req: &RouteRequest<'_>,
+        set: &ReplicaSet,
+        candidates: impl Iterator<Item = &'s ReplicaScore> + Clone,
+    ) -> Option<&'s ReplicaScore> {
+        let hash = |s: &ReplicaScore| tie_break(req, &set.replicas[s.replica].name);
+        let best = candidates.clone().map(|s| s.cost).min_by(f64::total_cmp)?;
+        let window = match self.cfg.cost {
+            CostModel::Ttft => (self.cfg.tie_ms / 1000.0).max(self.cfg.tie_ratio * best),
+            CostModel::Tokens => 0.0,
+        };
+        candidates
+            .filter(|s| s.cost <= best + window)
+            .min_by(|a, b| {
+                b.matched_blocks
+                    .cmp(&a.matched_blocks)
+                    .then(a.cost.total_cmp(&b.cost))
+                    .then_with(|| hash(b).cmp(&hash(a)))
+            })
     }
 }
 
@@ -60,56 +113,68 @@ impl RoutingPolicy for PrefixAware {
         "prefix_aware"
     }
 
+    fn cost_unit(&self) -> CostUnit {
+        match self.cfg.cost {
+            CostModel::Ttft => CostUnit::Seconds,
+            CostModel::Tokens => CostUnit::TokenEquivalents,
+        }
+    }
+
     fn route(&self, req: &RouteRequest<'_>, set: &ReplicaSet) -> Result<RouteDecision, RouteError> {
-        let scores: Vec<ReplicaScore> = set
-            .healthy()
-            .map(|(i, r)| ReplicaScore {
-                replica: i,
-                matched_blocks: req.matched(i),
-                load: r.load.requests(),
-                cost: self.cost(req, i, r),
-            })
-            .collect();
+        let scores: Vec<ReplicaScore> = set.healthy().map(|(i, r)| self.score(req, i, r)).collect();
         let min_load = scores
             .iter()
             .map(|s| s.load)
             .min()
             .ok_or(RouteError::NoHealthyReplica)?;
-        let pick = |candidates: &mut dyn Iterator<Item = &ReplicaScore>| -> Option<usize> {
-            candidates
-                .min_by(|a, b| {
-                    a.cost.total_cmp(&b.cost).then_with(|| {
-                        tie_break(req, &set.replicas[b.replica].name)
-                            .cmp(&tie_break(req, &set.replicas[a.replica].name))
-                    })
-                })
-                .map(|s| s.replica)
-        };
-        let best = pick(&mut scores.iter()).expect("scores is non-empty");
-        let best_score = scores.iter().find(|s| s.replica == best).expect("present");
-        let (replica, reason) = if self.overloaded(best_score.load, min_load) {
+        let best = self
+            .pick(req, set, scores.iter())
+            .expect("scores is non-empty");
+        let ttft = |s: &ReplicaScore| s.estimate.map_or(0.0, |e| e.ttft_s);
+        // The holder: the longest cached run of this prompt, the cheapest among equals.
+        let holder = scores
+            .iter()
+            .filter(|s| s.matched_blocks > 0)
+            .min_by(|a, b| {
+                b.matched_blocks
+                    .cmp(&a.matched_blocks)
+                    .then(a.cost.total_cmp(&b.cost))
+            });
+        let (chosen, reason) = if self.overloaded(best.load, min_load) {
             let within = scores
                 .iter()
                 .filter(|s| s.load <= min_load + self.cfg.balance_abs_threshold);
-            let alt = pick(&mut within.into_iter()).expect("the least-loaded replica qualifies");
+            let alt = self
+                .pick(req, set, within)
+                .expect("the least-loaded replica qualifies");
             (
                 alt,
                 DecisionReason::LoadGuard {
-                    preferred: best,
-                    preferred_blocks: best_score.matched_blocks,
-                },
-            )
-        } else if best_score.matched_blocks > 0 {
-            (
-                best,
-                DecisionReason::PrefixMatch {
-                    blocks: best_score.matched_blocks,
+                    preferred: best.replica,
+                    preferred_blocks: best.matched_blocks,
                 },
             )
         } else {
-            (best, DecisionReason::NoMatch)
+            let reason = match holder {
+                Some(h)
+                    if self.cfg.cost == CostModel::Ttft
+                        && h.matched_blocks > best.matched_blocks =>
+                {
+                    DecisionReason::Spread {
+                        holder: h.replica,
+                        holder_blocks: h.matched_blocks,
+                        holder_ttft_s: ttft(h),
+                        chosen_ttft_s: ttft(best),
+                    }
+                }
+                _ if best.matched_blocks > 0 => DecisionReason::PrefixMatch {
+                    blocks: best.matched_blocks,
+                },
+                _ => DecisionReason::NoMatch,
+            };
+            (best, reason)
         };
-        let mut d = RouteDecision::new(replica, reason, req);
+        let mut d = RouteDecision::new(chosen.replica, reason, req);
         d.scores = scores;
         Ok(d)
     }
@@ -121,6 +186,106 @@ mod tests {
 
     fn policy() -> PrefixAware {
         PrefixAware::new(PrefixAwareConfig::default())
+    }
+
+    fn tokens_policy() -> PrefixAware {
+        PrefixAware::new(PrefixAwareConfig {
+            cost: CostModel::Tokens,
+            ..PrefixAwareConfig::default()
+        })
+    }
+
+    /// A fleet with the given running streams and queued prefill tokens per replica, all with
+    /// the generic speed (8k tokens/s, 20 ms, 2,048-token chunks) and a 20 ms decode step.
+    fn timed_fleet(running: &[u32], queued: &[u64]) -> ReplicaSet {
+        let mut set = fleet(running);
+        for (r, &q) in set.replicas.iter_mut().zip(queued) {
+            r.speed.queued_prefill_tokens = q;
+            r.speed.decode_step_s = Some(0.02);
+        }
+        set
+    }
+
+    fn long_request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteRequest<'a> {
+        RouteRequest {
+            prompt_tokens: hashes.len() * 16 + 40,
+            ..request(hashes, matched)
+        }
+    }
+
+    #[test]
+    fn the_holder_wins_while_its_queue_is_shorter_than_a_cold_prefill() {
+        // 4,000 cached tokens at replica 0; its queue of 1,000 tokens is cheaper than
+        // prefilling all 4,040 anywhere else.
+        let hashes = [7u64; 250];
+        let d = policy()
+            .route(
+                &long_request(&hashes, &[250, 0, 0]),
+                &timed_fleet(&[2, 0, 0], &[1000, 0, 0]),
+            )
+            .unwrap();
+        assert_eq!(d.replica, 0);
+        assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 250 });
+        let e = d.scores[0].estimate.unwrap();
+        // 20 ms + 1,040 tokens / 8k/s + 1 step × 20 ms decode.
+        assert!(
+            (e.ttft_s - (0.02 + 1040.0 / 8000.0 + 0.02)).abs() < 1e-9,
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_once_its_holder_is_slower_than_a_cold_prefill() {
+        // The holder has 8,000 tokens of prefill queued (≈ 1 s), more than a cold 4,040-token
+        // prefill elsewhere (≈ 0.5 s): the request goes elsewhere and says why.
+        let hashes = [7u64; 250];
+        let d = policy()
+            .route(
+                &long_request(&hashes, &[250, 0, 0]),
+                &timed_fleet(&[4, 1, 3], &[8000, 0, 0]),
+            )
+            .unwrap();
+        assert_eq!(d.replica, 1, "{:?}", d.scores);
+        match d.reason {
+            DecisionReason::Spread {
+                holder: 0,
+                holder_blocks: 250,
+                holder_ttft_s,
+                chosen_ttft_s,
+            } => assert!(holder_ttft_s > chosen_ttft_s),
+            other => panic!("{other:?}"),
+        }
+        // Once replica 1 holds it too, requests go to whichever holder is quicker.
+        let d = policy()
+            .route(
+                &long_request(&hashes, &[250, 250, 0]),
+                &timed_fleet(&[4, 1, 3], &[8000, 500, 0]),
+            )
+            .unwrap();
+        assert_eq!(d.replica, 1);
+        assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 250 });
+    }
+
+    #[test]
+    fn near_ties_go_to_the_longest_cached_prefix() {
+        // Replica 1 holds 2 blocks (32 tokens): 4 ms less prefill than replica 0, which holds
+        // nothing but has 20 tokens less queued. Within the tie window, the cache wins.
+        let hashes = [1u64; 8];
+        let d = policy()
+            .route(&request(&hashes, &[0, 2]), &timed_fleet(&[0, 0], &[0, 64]))
+            .unwrap();
+        assert_eq!(d.replica, 1);
+    }
+
+    #[test]
+    fn a_cold_prefill_avoids_the_replica_with_more_streams_to_stall() {
+        // Same queue, same (no) cache: the prefill's stall costs more where more streams run.
+        let hashes = [3u64; 200];
+        let set = timed_fleet(&[40, 2], &[0, 0]);
+        let d = policy().route(&request(&hashes, &[0, 0]), &set).unwrap();
+        assert_eq!(d.replica, 1);
+        assert_eq!(d.reason, DecisionReason::NoMatch);
+        assert!(d.scores[0].cost > d.scores[1].cost);
     }
 
     #[test]
@@ -139,7 +304,9 @@ mod tests {
         // Replica 1 holds 8 blocks (128 tokens) but has 2 more requests queued (512 tokens of
         // cost at the default load weight): replica 0 is cheaper.
         let set = fleet(&[0, 2, 0]);
-        let d = policy().route(&request(&[1; 8], &[0, 8, 0]), &set).unwrap();
+        let d = tokens_policy()
+            .route(&request(&[1; 8], &[0, 8, 0]), &set)
+            .unwrap();
         assert_ne!(d.replica, 1);
         assert_eq!(d.reason, DecisionReason::NoMatch);
     }
@@ -148,6 +315,7 @@ mod tests {
     fn load_guard_overrides_affinity_on_a_hot_spot() {
         // Without a load weight, affinity alone would always win.
         let p = PrefixAware::new(PrefixAwareConfig {
+            cost: CostModel::Tokens,
             load_weight: 0.0,
             ..PrefixAwareConfig::default()
         });

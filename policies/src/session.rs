@@ -24,6 +24,10 @@ impl RoutingPolicy for SessionAffinity {
         "session"
     }
 
+    fn cost_unit(&self) -> CostUnit {
+        self.fallback.cost_unit()
+    }
+
     fn route(&self, req: &RouteRequest<'_>, set: &ReplicaSet) -> Result<RouteDecision, RouteError> {
         let Some(session) = req.session_id else {
             let mut d = self.fallback.route(req, set)?;

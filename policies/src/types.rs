@@ -21,12 +21,71 @@ impl LoadSignal {
     }
 }
 
+/// What the gateway has learnt about a replica's speed, for policies that price in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedView {
+    /// Fixed part of time to first token (s).
+    pub overhead_s: f64,
+    /// Prefill seconds per uncached prompt token (the learnt fit's slope).
+    pub seconds_per_token: f64,
+    /// Uncached prompt tokens already sent there that have not produced a first token: the
+    /// prefill queued ahead of a new request.
+    pub queued_prefill_tokens: u64,
+    /// The decode step (median inter-token gap) with one more sequence in the batch, once
+    /// learnt (s).
+    pub decode_step_s: Option<f64>,
+    /// Prompt tokens the replica prefills per step (its chunk budget).
+    pub chunk_tokens: u64,
+}
+
+impl Default for SpeedView {
+    /// A generic replica: 8k prefill tokens/s, 20 ms overhead, 2,048-token chunks.
+    fn default() -> Self {
+        SpeedView {
+            overhead_s: 0.02,
+            seconds_per_token: 1.0 / 8_000.0,
+            queued_prefill_tokens: 0,
+            decode_step_s: None,
+            chunk_tokens: 2048,
+        }
+    }
+}
+
+/// A replica's predicted cost for one request, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TtftEstimate {
+    /// Predicted time to first token: overhead + (queued + own uncached tokens) × seconds per
+    /// token + the decode part of every step that prefill takes.
+    pub ttft_s: f64,
+    /// This request's own prefill time (uncached tokens only): how long it stalls each
+    /// running stream there.
+    pub own_prefill_s: f64,
+}
+
+impl SpeedView {
+    /// Predicts a request with `uncached` prompt tokens here, `running` sequences decoding.
+    pub fn estimate(&self, uncached: u64, running: u32) -> TtftEstimate {
+        let work = self.queued_prefill_tokens + uncached;
+        let steps = work.div_ceil(self.chunk_tokens.max(1));
+        let interference = if running > 0 {
+            steps as f64 * self.decode_step_s.unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        TtftEstimate {
+            ttft_s: self.overhead_s + work as f64 * self.seconds_per_token + interference,
+            own_prefill_s: uncached as f64 * self.seconds_per_token,
+        }
+    }
+}
+
 /// One replica as a policy sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaView {
     pub name: String,
     pub healthy: bool,
     pub load: LoadSignal,
+    pub speed: SpeedView,
 }
 
 /// A snapshot of the fleet. Indices into `replicas` are the replica ids policies return.
@@ -86,6 +145,15 @@ pub enum DecisionReason {
         preferred: usize,
         preferred_blocks: usize,
     },
+    /// A hot prefix spread: `holder` has the longest cached run of this prompt, but its
+    /// predicted TTFT (queued prefill, batch) was beyond this replica's, so this one prefills
+    /// the prefix and becomes a holder too.
+    Spread {
+        holder: usize,
+        holder_blocks: usize,
+        holder_ttft_s: f64,
+        chosen_ttft_s: f64,
+    },
 }
 
 impl DecisionReason {
@@ -100,6 +168,7 @@ impl DecisionReason {
             DecisionReason::PrefixMatch { .. } => "prefix_match",
             DecisionReason::NoMatch => "no_match",
             DecisionReason::LoadGuard { .. } => "load_guard",
+            DecisionReason::Spread { .. } => "spread",
         }
     }
 }
@@ -118,6 +187,16 @@ impl fmt::Display for DecisionReason {
                 f,
                 "load_guard(preferred replica {preferred} with {preferred_blocks} blocks was overloaded)"
             ),
+            DecisionReason::Spread {
+                holder,
+                holder_blocks,
+                holder_ttft_s,
+                chosen_ttft_s,
+            } => write!(
+                f,
+                "spread(replica {holder} holds {holder_blocks} blocks but its predicted TTFT \
+                 {holder_ttft_s:.3} s exceeds {chosen_ttft_s:.3} s here)"
+            ),
             DecisionReason::SessionFallback(inner) => write!(f, "session_fallback/{inner}"),
             other => f.write_str(other.label()),
         }
@@ -130,7 +209,10 @@ pub struct ReplicaScore {
     pub replica: usize,
     pub matched_blocks: usize,
     pub load: u32,
+    /// Lower wins: seconds under the `ttft` cost, token-equivalents under `tokens`.
     pub cost: f64,
+    /// The prediction behind a `ttft` cost.
+    pub estimate: Option<TtftEstimate>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -144,6 +226,15 @@ pub struct RouteDecision {
 }
 
 impl RouteDecision {
+    /// The predicted time to first token at the chosen replica, where the policy predicts.
+    pub fn predicted_ttft_s(&self) -> Option<f64> {
+        self.scores
+            .iter()
+            .find(|s| s.replica == self.replica)?
+            .estimate
+            .map(|e| e.ttft_s)
+    }
+
     pub fn new(replica: usize, reason: DecisionReason, req: &RouteRequest<'_>) -> Self {
         RouteDecision {
             replica,
@@ -177,9 +268,38 @@ pub enum PolicyEvent {
     RequestDone { replica: usize },
 }
 
+/// What a policy's scores are measured in (`explain` prints it next to the costs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostUnit {
+    /// Predicted time to first token plus the stall imposed on running streams.
+    Seconds,
+    /// Uncached prompt tokens, with load and KV usage in token equivalents.
+    TokenEquivalents,
+    /// The policy does not score replicas.
+    None,
+}
+
+impl CostUnit {
+    pub fn describe(self) -> &'static str {
+        match self {
+            CostUnit::Seconds => {
+                "seconds: predicted TTFT plus stall_weight x the stall imposed on running streams; lower wins"
+            }
+            CostUnit::TokenEquivalents => {
+                "token equivalents: uncached prompt tokens + load and KV usage weights; lower wins"
+            }
+            CostUnit::None => "this policy does not score replicas",
+        }
+    }
+}
+
 pub trait RoutingPolicy: Send + Sync + 'static {
     /// The config `kind` and the metrics label.
     fn name(&self) -> &'static str;
+    /// What the `cost` of its scores is measured in.
+    fn cost_unit(&self) -> CostUnit {
+        CostUnit::None
+    }
     fn route(
         &self,
         req: &RouteRequest<'_>,
@@ -202,6 +322,7 @@ pub(crate) fn fleet(loads: &[u32]) -> ReplicaSet {
                     in_flight: l,
                     ..LoadSignal::default()
                 },
+                speed: SpeedView::default(),
             })
             .collect(),
     }

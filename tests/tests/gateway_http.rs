@@ -307,6 +307,41 @@ async fn explain_shows_tokens_blocks_scores_and_decision() {
     assert_eq!(v["replicas"].as_array().unwrap().len(), 2);
     assert_eq!(v["decision"]["reason"], "prefix_match");
     assert!(v["decision"]["matched_blocks"].as_u64().unwrap() >= 3);
+    // Costs in seconds, every replica's predicted TTFT, and the holder the cheaper one.
+    assert!(
+        v["cost_unit"].as_str().unwrap().starts_with("seconds"),
+        "{v}"
+    );
+    let chosen = v["decision"]["replica"].as_str().unwrap();
+    let ttft = |name: &str| {
+        v["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["replica"] == name)
+            .unwrap()["predicted_ttft_s"]
+            .as_f64()
+            .unwrap()
+    };
+    let other = v["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["replica"].as_str().unwrap())
+        .find(|n| *n != chosen)
+        .unwrap();
+    assert!(ttft(chosen) < ttft(other), "{v}");
+    assert_eq!(
+        v["decision"]["predicted_ttft_s"].as_f64(),
+        Some(ttft(chosen))
+    );
+    assert_eq!(v["holders"][0]["replica"], chosen);
+    assert_eq!(v["now"], "dispatched");
+    assert_eq!(v["replicas"][0]["admission"]["verdict"], "admissible");
+    assert!(v["route_matched_because"]
+        .as_str()
+        .unwrap()
+        .contains("catch-all"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,246 @@
+//! Placement: the one answer to "where does this request go now?", asked for a first dispatch,
+//! for a retry after a failed attempt, and for `explain`, so the three can never disagree.
+//!
+//! [`GatewayState::place`] takes the request, the route, the prefix index's match counts and
+//! the purpose, reads one snapshot of the fleet (health, load, the learnt speed of every
+//! replica: [`policies::SpeedView`]), and returns a [`Placement`]: the route's policy's
+//! decision among the replicas admission allows, or why the request must wait, with every
+//! replica's verdict for `explain`.
+//!
+//! - **Dispatch**: the route's limits (concurrency, prompt tokens in flight), then admission per
+//!   pool replica (`admission::admissible`: predicted TTFT and decode step within the promise,
+//!   stall budget, KV high-water, preemptions), then affinity patience, then the policy among
+//!   the admissible replicas.
+//! - **Retry**: the request was admitted already; the policy chooses again without the replicas
+//!   it tried.
+//! - **Explain**: the dispatch path as a dry run — nothing reserved, no policy state advanced.
+
+use std::time::Duration;
+
+use policies::{ReplicaSet, RouteDecision, RouteRequest};
+use protocol::ApiError;
+
+use crate::admission::{admissible, Hold, Slo};
+use crate::policy_store::{ActivePolicy, ActiveRoute};
+use crate::router::Prepared;
+use crate::state::GatewayState;
+
+/// Why a placement is asked for.
+#[derive(Debug, Clone, Copy)]
+pub enum Purpose<'a> {
+    /// A first dispatch, after waiting `waited` in the route's queue so far.
+    Dispatch { waited: Duration },
+    /// Another attempt after `tried` failed before the first byte.
+    Retry { tried: &'a [usize] },
+    /// `POST /admin/route/explain`: as a dispatch now, nothing reserved.
+    Explain,
+}
+
+impl Purpose<'_> {
+    fn dry_run(&self) -> bool {
+        matches!(self, Purpose::Explain)
+    }
+
+    fn waited(&self) -> Duration {
+        match self {
+            Purpose::Dispatch { waited } => *waited,
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+/// What placement concluded.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Send it there.
+    Go(RouteDecision),
+    /// Not now. `blocking`: the route as a whole has no room (its limits, or no admissible
+    /// replica in its pool), so those queued behind wait their turn; otherwise only this
+    /// request's preferred replica is busy (affinity patience) and others may go ahead.
+    Hold {
+        reason: &'static str,
+        blocking: bool,
+    },
+    /// Nothing to wait for (no healthy replica in the pool).
+    Fail(ApiError),
+}
+
+/// A placement and what it was made of.
+#[derive(Debug)]
+pub struct Placement {
+    pub outcome: Outcome,
+    /// The fleet as the policy saw it (every replica, by slot).
+    pub fleet: ReplicaSet,
+    /// Replicas of the pool admission held back, and why.
+    pub held: Vec<(usize, Hold)>,
+    /// The policy's choice had admission not held anyone back (only when some were held).
+    pub preferred: Option<RouteDecision>,
+}
+
+impl GatewayState {
+    /// Uncached prompt tokens of `p` at replica `i`.
+    pub(crate) fn uncached(&self, p: &Prepared, matched: &[usize], i: usize) -> u64 {
+        p.prompt_tokens
+            .saturating_sub(matched.get(i).copied().unwrap_or(0) * self.router.block_size)
+            as u64
+    }
+
+    /// Where `p` goes now on `route`, or why it waits (see the module docs).
+    pub fn place(
+        &self,
+        a: &ActivePolicy,
+        route: &ActiveRoute,
+        p: &Prepared,
+        matched: &[usize],
+        purpose: Purpose<'_>,
+    ) -> Placement {
+        let registry = &self.router.registry;
+        let fleet = registry.snapshot();
+        let mut placement = Placement {
+            outcome: Outcome::Hold {
+                reason: "none",
+                blocking: true,
+            },
+            fleet,
+            held: Vec::new(),
+            preferred: None,
+        };
+        let outside: Vec<usize> = (0..placement.fleet.replicas.len())
+            .filter(|i| !route.pool.contains(i))
+            .collect();
+        if let Purpose::Retry { tried } = purpose {
+            let exclude: Vec<usize> = outside.iter().chain(tried).copied().collect();
+            placement.outcome =
+                match self.decide(&placement.fleet, route, p, matched, &exclude, false) {
+                    Ok(d) => Outcome::Go(d),
+                    Err(e) => Outcome::Fail(e),
+                };
+            return placement;
+        }
+        let (cfg, rt) = (&route.cfg, &route.rt);
+        let waited = purpose.waited();
+        if cfg.max_concurrency.is_some_and(|m| rt.in_flight() >= m) {
+            placement.outcome = Outcome::Hold {
+                reason: "concurrency",
+                blocking: true,
+            };
+            return placement;
+        }
+        // A single request larger than the whole budget still goes, alone.
+        if cfg.max_prompt_tokens_in_flight.is_some_and(|b| {
+            rt.in_flight() > 0 && rt.in_flight_tokens() + p.prompt_tokens as u64 > b
+        }) {
+            placement.outcome = Outcome::Hold {
+                reason: "token_budget",
+                blocking: true,
+            };
+            return placement;
+        }
+        let mut exclude = outside.clone();
+        if cfg.admission {
+            let h = a.file.admission_headroom;
+            // A route without an inter-token promise (batch work) still may not break the
+            // promise of the routes it shares replicas with: it yields to the strictest.
+            let itl = route.slo.itl.or_else(|| a.strictest_itl(&route.pool));
+            let slo = Slo {
+                ttft: route.slo.ttft.map(|t| t.mul_f64(h).saturating_sub(waited)),
+                itl: itl.map(|t| t.mul_f64(h)),
+            };
+            let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
+            let replicas = registry.replicas();
+            for &i in &route.pool {
+                let Some(r) = replicas.get(i).filter(|r| r.is_healthy()) else {
+                    continue;
+                };
+                let pressure = registry.pressure(i, holdoff, p.prompt_tokens as u64);
+                let verdict = admissible(
+                    &r.model.lock(),
+                    &pressure,
+                    self.uncached(p, matched, i),
+                    &slo,
+                    a.file.kv_high_water,
+                );
+                if let Err(h) = verdict {
+                    exclude.push(i);
+                    placement.held.push((i, h));
+                }
+            }
+        }
+        let dry_run = purpose.dry_run();
+        if !placement.held.is_empty() {
+            placement.preferred = self
+                .decide(&placement.fleet, route, p, matched, &outside, true)
+                .ok();
+        }
+        // Affinity patience: when the replica the policy prefers (ignoring admission) is held
+        // and no admissible replica holds as much of the prompt, wait for it rather than send
+        // the request where it must be prefilled again — that extra prefill is what stalls
+        // everyone's decode and breaks the promise admission is keeping. After half the TTFT
+        // budget, take an admissible replica anyway.
+        let patience = route
+            .slo
+            .ttft
+            .map_or(Duration::from_millis(cfg.queue_timeout_ms / 2), |t| {
+                t.mul_f64(a.file.admission_headroom / 2.0)
+            });
+        if let Some(pref) = placement.preferred.as_ref().filter(|_| waited < patience) {
+            if let Some((_, why)) = placement.held.iter().find(|(i, _)| *i == pref.replica) {
+                let best_admissible = route
+                    .pool
+                    .iter()
+                    .filter(|i| !exclude.contains(i))
+                    .map(|&i| matched.get(i).copied().unwrap_or(0))
+                    .max();
+                if best_admissible.is_some_and(|b| b < matched[pref.replica]) {
+                    placement.outcome = Outcome::Hold {
+                        reason: why.label(),
+                        blocking: false,
+                    };
+                    return placement;
+                }
+            }
+        }
+        placement.outcome =
+            match self.decide(&placement.fleet, route, p, matched, &exclude, dry_run) {
+                Ok(d) => Outcome::Go(d),
+                Err(e) => match placement.held.first() {
+                    Some((_, h)) => Outcome::Hold {
+                        reason: h.label(),
+                        blocking: true,
+                    },
+                    None => Outcome::Fail(e),
+                },
+            };
+        placement
+    }
+
+    /// The route's policy over `fleet`, never choosing a replica in `exclude`.
+    fn decide(
+        &self,
+        fleet: &ReplicaSet,
+        route: &ActiveRoute,
+        p: &Prepared,
+        matched: &[usize],
+        exclude: &[usize],
+        dry_run: bool,
+    ) -> Result<RouteDecision, ApiError> {
+        let mut set = fleet.clone();
+        for &x in exclude {
+            if let Some(r) = set.replicas.get_mut(x) {
+                r.healthy = false;
+            }
+        }
+        let req = RouteRequest {
+            block_hashes: &p.hashes,
+            prompt_tokens: p.prompt_tokens,
+            block_size: self.router.block_size,
+            matched_blocks: matched,
+            session_id: p.session_id.as_deref(),
+            dry_run,
+        };
+        route
+            .policy
+            .route(&req, &set)
+            .map_err(|e| ApiError::unavailable(e.to_string()).with_code("no_healthy_replica"))
+    }
+}
