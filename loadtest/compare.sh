@@ -6,7 +6,9 @@
 # Env: KVGATE_BIN (default target/release/kvgate, built if missing), KVGATE_RATES (4,8,12),
 #   KVGATE_TIME_SCALE (1), KVGATE_REPLICAS (8; 2 with --smoke), KVGATE_REPLICA_ARGS,
 #   KVGATE_SGLANG_VENV (.venv-sglang), KVGATE_SGLANG_ARGS (appended to launch_router),
-#   KVGATE_SGLANG=0 (leave sglang-router out), KVGATE_POLICY_FILES ("name=file.toml ..."):
+#   KVGATE_SGLANG=0 (leave sglang-router out), KVGATE_SGLANG_VARIANTS ("name=extra args;..."
+#   one sglang-router per entry, default "sglang_cache_aware=$KVGATE_SGLANG_ARGS"),
+#   KVGATE_POLICY_FILES ("name=file.toml ..."):
 #   instead of the five policy gateways, one gateway per policy file (KV events on).
 # Writes DIR/report.json, DIR/report.md and plots (bench), DIR/setup.txt and DIR/logs/.
 set -euo pipefail
@@ -21,7 +23,7 @@ while [ $# -gt 0 ]; do
     --smoke) smoke=1 ;;
     --out) out=${2:?--out needs a folder}; shift ;;
     --out=*) out=${1#--out=} ;;
-    -h | --help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift
@@ -200,28 +202,35 @@ else
   start_gateway prefix_aware_events prefix_aware true
 fi
 
-# sglang-router, cache_aware with its default thresholds spelled out; its metrics port kept
-# on loopback; a worker that cannot register fails in 30 s instead of 30 min.
-sglang_cmd=()
+# sglang-router, cache_aware with its default thresholds spelled out, then each variant's
+# extra args (argparse: a flag given again wins); its metrics port kept on loopback; a worker
+# that cannot register fails in 30 s instead of 30 min.
+sglang_cmds=()
 if [ "$sglang_ok" = 1 ]; then
-  port=$(free_port)
-  read -r -a sglang_extra <<<"${KVGATE_SGLANG_ARGS:-}"
-  sglang_cmd=("$venv/bin/python" -m sglang_router.launch_router
-    --worker-urls "${replica_urls[@]}" --policy cache_aware
-    --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5
-    --host 127.0.0.1 --port "$port"
-    --prometheus-host 127.0.0.1 --prometheus-port "$(free_port)"
-    --request-timeout-secs 600 --worker-startup-timeout-secs 30
-    --worker-startup-check-interval 1 --shutdown-grace-period-secs 1 --log-level warn
-    "${sglang_extra[@]}")
-  "${sglang_cmd[@]}" >"$logs/sglang-router.log" 2>&1 &
-  pid=$!
-  pids+=("$pid")
-  # /health is 200 before any worker registers; /workers shows registration and health.
-  wait_until "sglang-router" "$pid" 120 json_check "http://127.0.0.1:$port/workers" \
-    "j['total'] == $n_replicas and all(w['is_healthy'] for w in j['workers'])"
-  targets+=("sglang_cache_aware=http://127.0.0.1:$port")
-  echo "sglang_cache_aware: http://127.0.0.1:$port"
+  IFS=';' read -r -a variants <<<"${KVGATE_SGLANG_VARIANTS:-sglang_cache_aware=${KVGATE_SGLANG_ARGS:-}}"
+  for variant in "${variants[@]}"; do
+    [ -n "$variant" ] || continue
+    name=${variant%%=*}
+    port=$(free_port)
+    read -r -a sglang_extra <<<"${variant#*=}"
+    sglang_cmd=("$venv/bin/python" -m sglang_router.launch_router
+      --worker-urls "${replica_urls[@]}" --policy cache_aware
+      --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5
+      --host 127.0.0.1 --port "$port"
+      --prometheus-host 127.0.0.1 --prometheus-port "$(free_port)"
+      --request-timeout-secs 600 --worker-startup-timeout-secs 30
+      --worker-startup-check-interval 1 --shutdown-grace-period-secs 1 --log-level warn
+      "${sglang_extra[@]}")
+    "${sglang_cmd[@]}" >"$logs/$name.log" 2>&1 &
+    pid=$!
+    pids+=("$pid")
+    # /health is 200 before any worker registers; /workers shows registration and health.
+    wait_until "$name" "$pid" 120 json_check "http://127.0.0.1:$port/workers" \
+      "j['total'] == $n_replicas and all(w['is_healthy'] for w in j['workers'])"
+    targets+=("$name=http://127.0.0.1:$port")
+    sglang_cmds+=("$name: ${sglang_cmd[*]}")
+    echo "$name: http://127.0.0.1:$port"
+  done
 fi
 
 # Our defaults, minus any the extra args set themselves.
@@ -245,7 +254,7 @@ bench_args+=(--out "$out" "${extra[@]}")
   echo "replicas: $n_replicas, time scale $time_scale, extra args: ${KVGATE_REPLICA_ARGS:-none}"
   echo "targets: ${targets[*]}"
   if [ "$sglang_ok" = 1 ]; then
-    echo "sglang-router 0.3.2: ${sglang_cmd[*]}"
+    for c in "${sglang_cmds[@]}"; do echo "sglang-router 0.3.2 $c"; done
   else
     echo "sglang-router: skipped (could not install)"
   fi

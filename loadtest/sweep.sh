@@ -3,7 +3,8 @@
 # `loadtest/compare.sh` invocation (new replicas, new gateways and peers, so no router keeps
 # what it learnt from the previous run), then one summary over seeds: median and range per
 # rate and target.
-#   loadtest/sweep.sh --out DIR --rates 4.5,9,13.5,18 --seeds 1,2,3 [compare.sh / bench args]
+#   loadtest/sweep.sh --out DIR --rates 4.5,9,13.5,18 --seeds 1,2,3 [--base TARGET] [compare.sh / bench args]
+# --base: the target the summary's per-seed ratios divide by (default: the first).
 # Env as for compare.sh (KVGATE_POLICY_FILES, KVGATE_REPLICAS, KVGATE_REPLICA_ARGS, ...).
 # Writes DIR/seed-S-rate-R/ (one compare run each) and DIR/summary.md.
 set -euo pipefail
@@ -12,13 +13,15 @@ cd "$(dirname "$0")/.."
 out=
 rates=
 seeds=1,2,3
+base=()
 extra=()
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=${2:?}; shift ;;
     --rates) rates=${2:?}; shift ;;
     --seeds) seeds=${2:?}; shift ;;
-    -h | --help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --base) base=(--base "${2:?}"); shift ;;
+    -h | --help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift
@@ -40,4 +43,4 @@ for seed in "${seed_list[@]}"; do
     grep '^\[' "$out/seed-$seed-rate-$rate.log" || true
   done
 done
-python3 loadtest/summarize.py "$out" | tee "$out/summary.md"
+python3 loadtest/summarize.py "$out" "${base[@]}" | tee "$out/summary.md"

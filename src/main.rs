@@ -537,10 +537,7 @@ async fn run_bench(a: BenchArgs) -> Result<()> {
         warmup: std::time::Duration::from_secs_f64(a.warmup),
         seed: a.seed,
         request_timeout: std::time::Duration::from_secs(600),
-        slo: Slo {
-            ttft_s: a.slo_ttft_ms.map(|m| m as f64 / 1e3),
-            itl_s: a.slo_itl_ms.map(|m| m as f64 / 1e3),
-        },
+        slo: Slo::from_ms(a.slo_ttft_ms, a.slo_itl_ms),
         progress: !a.no_progress,
     };
     // Single target, single rate, no flush: one run, every sample in --json-out.

@@ -443,45 +443,7 @@ impl GatewayConfig {
                 "must be host:port, e.g. \"127.0.0.1:8080\"",
             );
         }
-        v.check(
-            !self.replicas.is_empty(),
-            "replicas",
-            "[]",
-            "list at least one replica",
-        );
-        v.check(
-            self.replicas.len() <= 64,
-            "replicas",
-            self.replicas.len(),
-            "at most 64 replicas",
-        );
-        for (i, r) in self.replicas.iter().enumerate() {
-            let field = format!("replicas[{i}]");
-            if r.starts_with("https://") {
-                v.check(
-                    false,
-                    &field,
-                    format!("{r:?}"),
-                    "kvgate talks plain HTTP to replicas; TLS to replicas is not supported (give host:port)",
-                );
-                continue;
-            }
-            let ok = r.rsplit_once(':').is_some_and(|(h, p)| {
-                !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok_and(|p| p > 0)
-            });
-            v.check(
-                ok,
-                &field,
-                format!("{r:?}"),
-                "must be host:port (http://host:port is accepted too)",
-            );
-            v.check(
-                !self.replicas[..i].contains(r),
-                &field,
-                format!("{r:?}"),
-                "listed twice",
-            );
-        }
+        check_replicas(&self.replicas, &mut v);
         v.check(
             self.model.max_model_len != Some(0),
             "model.max_model_len",
@@ -586,6 +548,63 @@ impl GatewayConfig {
         v.finish()?;
         self.policy.validate("policy")
     }
+}
+
+/// Replicas one gateway may list: a sanity bound, not a data-structure limit (the prefix index
+/// grows in groups of 64).
+pub const MAX_REPLICAS: usize = 4096;
+
+/// Checks a replica list (already normalised): non-empty, `host:port` each, no duplicates.
+fn check_replicas(replicas: &[String], v: &mut Validator) {
+    v.check(
+        !replicas.is_empty(),
+        "replicas",
+        "[]",
+        "list at least one replica",
+    );
+    v.check(
+        replicas.len() <= MAX_REPLICAS,
+        "replicas",
+        replicas.len(),
+        "at most 4096 replicas per gateway",
+    );
+    for (i, r) in replicas.iter().enumerate() {
+        let field = format!("replicas[{i}]");
+        if r.starts_with("https://") {
+            v.check(
+                false,
+                &field,
+                format!("{r:?}"),
+                "kvgate talks plain HTTP to replicas; TLS to replicas is not supported (give host:port)",
+            );
+            continue;
+        }
+        let ok = r.rsplit_once(':').is_some_and(|(h, p)| {
+            !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok_and(|p| p > 0)
+        });
+        v.check(
+            ok,
+            &field,
+            format!("{r:?}"),
+            "must be host:port (http://host:port is accepted too)",
+        );
+        v.check(
+            !replicas[..i].contains(r),
+            &field,
+            format!("{r:?}"),
+            "listed twice",
+        );
+    }
+}
+
+/// Normalises and checks a replica list given at run time (`PUT /admin/replicas`), with the
+/// same rules as the gateway file's `replicas`.
+pub fn replica_list(list: &[String]) -> Result<Vec<String>, ConfigError> {
+    let list: Vec<String> = list.iter().map(|r| normalize_replica(r)).collect();
+    let mut v = Validator::new();
+    check_replicas(&list, &mut v);
+    v.finish()?;
+    Ok(list)
 }
 
 /// `http://host:port/` → `host:port`; anything else unchanged.

@@ -25,6 +25,9 @@ pub struct AccessRecord {
     pub route: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica: Option<String>,
+    /// The `host:port` the gateway sent it to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]

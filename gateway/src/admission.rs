@@ -62,12 +62,8 @@ impl Clock for ManualClock {
     }
 }
 
-/// A route's latency promise (p95 targets); `None` means no promise on that timer.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Slo {
-    pub ttft: Option<Duration>,
-    pub itl: Option<Duration>,
-}
+/// The latency promise (the one definition, shared with the load tester).
+pub use protocol::slo::Slo;
 
 /// Exponentially weighted moving average; `None` until the first sample.
 #[derive(Debug, Clone, Copy, Default)]

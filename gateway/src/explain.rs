@@ -42,6 +42,12 @@ impl GatewayState {
             _ => placed.preferred.as_ref(),
         };
         let unit = route.policy.cost_unit();
+        let label = |i: usize| {
+            all.get(i).map_or_else(
+                || placed.fleet.replicas[i].name.clone(),
+                |h| h.label().to_string(),
+            )
+        };
         let replicas: Vec<Value> = placed
             .fleet
             .replicas
@@ -60,8 +66,9 @@ impl GatewayState {
                 };
                 let blocks = matched.get(i).copied().unwrap_or(0);
                 json!({
-                    "replica": r.name,
-                    "address": all.get(i).and_then(|h| h.addr()).map(|a| a.to_string()),
+                    "replica": label(i),
+                    "address": r.name,
+                    "resolved": all.get(i).and_then(|h| h.addr()).map(|a| a.to_string()),
                     "healthy": r.healthy,
                     "in_pool": in_pool,
                     "kv_events": all.get(i).is_some_and(|h| h.events_live()),
@@ -94,7 +101,7 @@ impl GatewayState {
             .iter()
             .enumerate()
             .filter(|(i, _)| matched.get(*i).copied().unwrap_or(0) > 0)
-            .map(|(i, r)| json!({"replica": r.name, "matched_blocks": matched[i]}))
+            .map(|(i, _)| json!({"replica": label(i), "matched_blocks": matched[i]}))
             .collect();
         let (now, now_reason) = match &placed.outcome {
             Outcome::Go(_) => ("dispatched", None),
@@ -105,7 +112,8 @@ impl GatewayState {
         let decision = match (&placed.outcome, decision) {
             (Outcome::Fail(e), _) => json!({"error": e.body.error.message}),
             (_, Some(d)) => json!({
-                "replica": placed.fleet.replicas[d.replica].name,
+                "replica": label(d.replica),
+                "address": placed.fleet.replicas[d.replica].name,
                 "reason": d.reason.label(),
                 "detail": d.reason.to_string(),
                 "matched_blocks": d.matched_blocks,

@@ -327,7 +327,8 @@ impl GatewayState {
                 }
             };
             router.commit(route.policy.name(), p, &d);
-            rec.replica = Some(replica.name.clone());
+            rec.replica = Some(replica.label().to_string());
+            rec.address = Some(replica.name.clone());
             rec.reason = Some(d.reason.label());
             let mut ctx = RelayCtx {
                 replica: &replica,
@@ -402,7 +403,7 @@ impl GatewayState {
             .headers
             .get("x-kvgate-replica")
             .and_then(|v| v.to_str().ok())
-            .unwrap_or(&ctx.replica.name)
+            .unwrap_or(ctx.replica.label())
             .to_string();
         let _ = h.insert_header("x-kvgate-replica", upstream_id);
         let _ = h.insert_header("x-kvgate-upstream", ctx.replica.name.as_str());
@@ -522,7 +523,7 @@ impl GatewayState {
                         if let Some(predicted) = ctx.d.predicted_ttft_s().filter(|&p| p > 0.0) {
                             let observed = (now - ctx.sent_at).as_secs_f64();
                             ctx.replica
-                                .metrics
+                                .metrics()
                                 .ttft_prediction_ratio
                                 .record(observed / predicted);
                             rec.predicted_ttft_ms = Some(predicted * 1e3);

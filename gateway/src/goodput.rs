@@ -25,53 +25,16 @@ pub struct Outcome {
     pub stream: bool,
 }
 
-/// Which promises a request kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
-    pub ttft_met: bool,
-    pub itl_met: bool,
-}
+pub use protocol::slo::Verdict;
 
-impl Verdict {
-    pub fn good(self) -> bool {
-        self.ttft_met && self.itl_met
-    }
-}
-
-/// The p95 (nearest rank) of a request's gaps.
-fn p95(gaps: &[Duration]) -> Option<Duration> {
-    if gaps.is_empty() {
-        return None;
-    }
-    let mut v = gaps.to_vec();
-    v.sort_unstable();
-    let rank = ((v.len() as f64) * 0.95).ceil() as usize;
-    Some(v[rank.clamp(1, v.len()) - 1])
-}
-
-/// Judges an outcome against a promise. An answer that is not streamed shows no token times:
-/// it is judged by its end-to-end time against TTFT plus one inter-token gap per further token.
+/// Judges an outcome against a promise with the shared goodput rule (`protocol::slo`): a
+/// stream by its TTFT and the p95 of its own gaps, an answer that is not streamed by its
+/// end-to-end time against TTFT plus one gap per further token.
 pub fn judge(o: &Outcome, slo: &Slo) -> Verdict {
-    if !o.stream {
-        let budget = slo.ttft.map(|t| {
-            t + slo.itl.unwrap_or(Duration::ZERO) * o.output_tokens.saturating_sub(1) as u32
-        });
-        let met = budget.is_none_or(|b| o.e2e <= b);
-        return Verdict {
-            ttft_met: met,
-            itl_met: slo.itl.is_none() || met,
-        };
-    }
-    Verdict {
-        ttft_met: match (slo.ttft, o.ttft) {
-            (None, _) => true,
-            (Some(t), Some(x)) => x <= t,
-            (Some(_), None) => false,
-        },
-        itl_met: match (slo.itl, p95(&o.gaps)) {
-            (Some(t), Some(x)) => x <= t,
-            _ => true,
-        },
+    if o.stream {
+        slo.judge_stream(o.ttft, &o.gaps)
+    } else {
+        slo.judge_whole(o.e2e, o.output_tokens)
     }
 }
 

@@ -11,6 +11,7 @@ pub mod body;
 pub mod conn;
 pub mod dispatch;
 pub mod explain;
+pub mod fleet;
 pub mod forward;
 pub mod goodput;
 pub mod lifecycle;

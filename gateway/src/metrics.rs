@@ -311,10 +311,17 @@ impl GatewayMetrics {
         }
     }
 
-    /// The handles of one replica's series.
-    pub fn replica(&self, name: &str) -> ReplicaMetrics {
+    /// The handles of one replica's series: `replica` is its identity (the id it reports, the
+    /// same label its own metrics carry, or its address when it reports none), `address` the
+    /// `host:port` the gateway knows it by.
+    pub fn replica(&self, label: &str, address: &str) -> ReplicaMetrics {
         let r = &self.recorder;
-        let l = || vec![Label::new("replica", name.to_string())];
+        let l = || {
+            vec![
+                Label::new("replica", label.to_string()),
+                Label::new("address", address.to_string()),
+            ]
+        };
         ReplicaMetrics {
             healthy: r.register_gauge(
                 &Key::from_parts("kvgate_gateway_replica_healthy", l()),

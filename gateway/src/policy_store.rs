@@ -367,10 +367,7 @@ fn build(
                     .into_iter()
                     .map(|k| replicas[k].0)
                     .collect(),
-                slo: Slo {
-                    ttft: cfg.slo.ttft_ms.map(Duration::from_millis),
-                    itl: cfg.slo.itl_ms.map(Duration::from_millis),
-                },
+                slo: Slo::from_ms(cfg.slo.ttft_ms, cfg.slo.itl_ms),
                 cfg: cfg.clone(),
                 rt,
             }

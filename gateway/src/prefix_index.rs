@@ -3,7 +3,9 @@
 //! One sharded map (`dashmap`) from block hash to a small entry: a bitmask of replicas that
 //! *reported* the block through their KV event stream (exact), a bitmask of replicas the gateway
 //! *believes* hold it because it routed the prefix there (approximate), and when that belief was
-//! last refreshed. Replicas are slots 0..64 assigned by the gateway's registry.
+//! last refreshed. Replicas are slots assigned by the gateway's registry; slots are kept in
+//! groups of 64 (one `u64` of bits per group), a group created when its first slot is used, so
+//! a fleet of any size costs one map per 64 replicas and nothing more for fleets up to 64.
 //!
 //! - Exact mode: `BlockStored` sets the replica's exact bit, `BlockRemoved` clears both its
 //!   bits, `AllBlocksCleared` (every snapshot starts with one) clears the replica everywhere.
@@ -19,12 +21,14 @@
 
 use std::collections::VecDeque;
 
+use std::sync::Arc;
+
 use dashmap::DashMap;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use protocol::kv_events::KvEvent;
 
-/// Replicas one index can track (one bit each).
-pub const MAX_REPLICAS: usize = 64;
+/// Replicas one group tracks (one bit each).
+const GROUP: usize = 64;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Entry {
@@ -38,10 +42,16 @@ struct Entry {
 /// and load-factor slack.
 pub const BYTES_PER_BLOCK: usize = std::mem::size_of::<Entry>() + 8 + 8;
 
-pub struct PrefixIndex {
+/// Slots `64·g .. 64·g + 63` of the index.
+struct Group {
     map: DashMap<u64, Entry>,
     /// Per replica, approximate records in insertion order, for the capacity bound.
     approx_lru: Vec<Mutex<VecDeque<(u64, u32)>>>,
+}
+
+/// The index: one [`Group`] per 64 slots, created on first use.
+pub struct PrefixIndex {
+    groups: RwLock<Vec<Arc<Group>>>,
     approx_capacity: usize,
 }
 
@@ -49,38 +59,112 @@ impl PrefixIndex {
     /// `approx_capacity`: approximate blocks kept per replica.
     pub fn new(approx_capacity: usize) -> Self {
         PrefixIndex {
-            map: DashMap::new(),
-            approx_lru: (0..MAX_REPLICAS)
-                .map(|_| Mutex::new(VecDeque::new()))
-                .collect(),
+            groups: RwLock::new(Vec::new()),
             approx_capacity,
         }
     }
 
-    /// Indexed blocks.
+    /// The group holding `slot`, and the slot's bit position in it.
+    fn group(&self, slot: usize) -> (Arc<Group>, usize) {
+        let g = slot / GROUP;
+        if let Some(x) = self.groups.read().get(g) {
+            return (x.clone(), slot % GROUP);
+        }
+        let mut w = self.groups.write();
+        while w.len() <= g {
+            w.push(Arc::new(Group::new()));
+        }
+        (w[g].clone(), slot % GROUP)
+    }
+
+    fn groups(&self) -> Vec<Arc<Group>> {
+        self.groups.read().clone()
+    }
+
+    /// Indexed blocks (a block held in two groups counts twice).
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.groups().iter().map(|g| g.map.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.groups().iter().all(|g| g.map.is_empty())
     }
 
     /// Estimated memory of the index, for `kvgate_gateway_prefix_index_bytes`.
     pub fn size_bytes(&self) -> usize {
-        self.map.len() * BYTES_PER_BLOCK
-    }
-
-    fn bit(replica: usize) -> u64 {
-        assert!(
-            replica < MAX_REPLICAS,
-            "replica slot {replica} out of range"
-        );
-        1u64 << replica
+        self.len() * BYTES_PER_BLOCK
     }
 
     /// Applies one KV event reported by `replica`.
     pub fn apply(&self, replica: usize, ev: &KvEvent) {
+        let (g, r) = self.group(replica);
+        g.apply(r, ev)
+    }
+
+    /// Forgets everything `replica` reported (resync, or the replica left).
+    pub fn clear_exact(&self, replica: usize) {
+        let (g, r) = self.group(replica);
+        g.clear_exact(r)
+    }
+
+    /// Forgets everything about `replica`, exact and approximate.
+    pub fn remove_replica(&self, replica: usize) {
+        let (g, r) = self.group(replica);
+        g.remove_replica(r)
+    }
+
+    /// Records that `hashes` were just routed to `replica` (approximate / speculative).
+    pub fn record_routed(&self, replica: usize, hashes: &[u64], now: u32) {
+        let (g, r) = self.group(replica);
+        g.record_routed(r, hashes, now, self.approx_capacity)
+    }
+
+    /// For each of the first `replicas` slots, how many leading blocks of `hashes` it holds:
+    /// exact bits always count, approximate bits while younger than that replica's `ttl[r]`
+    /// seconds.
+    pub fn match_lengths(
+        &self,
+        hashes: &[u64],
+        replicas: usize,
+        now: u32,
+        ttl: &[u32],
+    ) -> Vec<usize> {
+        let groups = self.groups();
+        let mut out = Vec::with_capacity(replicas);
+        for start in (0..replicas).step_by(GROUP) {
+            let n = GROUP.min(replicas - start);
+            match groups.get(start / GROUP) {
+                Some(g) => {
+                    out.extend(g.match_lengths(hashes, n, now, ttl.get(start..).unwrap_or(&[])))
+                }
+                None => out.extend(std::iter::repeat_n(0, n)),
+            }
+        }
+        out
+    }
+
+    /// Drops approximate bits older than `max_ttl` (a periodic sweep keeps the map bounded).
+    pub fn expire(&self, now: u32, max_ttl: u32) {
+        for g in self.groups() {
+            g.expire(now, max_ttl);
+        }
+    }
+}
+
+impl Group {
+    fn new() -> Self {
+        Group {
+            map: DashMap::new(),
+            approx_lru: (0..GROUP).map(|_| Mutex::new(VecDeque::new())).collect(),
+        }
+    }
+
+    fn bit(replica: usize) -> u64 {
+        debug_assert!(replica < GROUP);
+        1u64 << replica
+    }
+
+    fn apply(&self, replica: usize, ev: &KvEvent) {
         let bit = Self::bit(replica);
         match ev {
             KvEvent::BlockStored { block_hashes, .. } => {
@@ -108,8 +192,7 @@ impl PrefixIndex {
         }
     }
 
-    /// Forgets everything `replica` reported (resync, or the replica left).
-    pub fn clear_exact(&self, replica: usize) {
+    fn clear_exact(&self, replica: usize) {
         let bit = Self::bit(replica);
         self.map.retain(|_, e| {
             e.exact &= !bit;
@@ -117,8 +200,7 @@ impl PrefixIndex {
         });
     }
 
-    /// Forgets everything about `replica`, exact and approximate.
-    pub fn remove_replica(&self, replica: usize) {
+    fn remove_replica(&self, replica: usize) {
         let bit = Self::bit(replica);
         self.map.retain(|_, e| {
             e.exact &= !bit;
@@ -128,8 +210,7 @@ impl PrefixIndex {
         self.approx_lru[replica].lock().clear();
     }
 
-    /// Records that `hashes` were just routed to `replica` (approximate / speculative).
-    pub fn record_routed(&self, replica: usize, hashes: &[u64], now: u32) {
+    fn record_routed(&self, replica: usize, hashes: &[u64], now: u32, capacity: usize) {
         let bit = Self::bit(replica);
         let mut lru = self.approx_lru[replica].lock();
         for &h in hashes {
@@ -139,7 +220,7 @@ impl PrefixIndex {
             drop(e);
             lru.push_back((h, now));
         }
-        while lru.len() > self.approx_capacity {
+        while lru.len() > capacity {
             let Some((h, at)) = lru.pop_front() else {
                 break;
             };
@@ -156,16 +237,7 @@ impl PrefixIndex {
         }
     }
 
-    /// For each of the first `replicas` slots, how many leading blocks of `hashes` it holds:
-    /// exact bits always count, approximate bits while younger than that replica's `ttl[r]`
-    /// seconds.
-    pub fn match_lengths(
-        &self,
-        hashes: &[u64],
-        replicas: usize,
-        now: u32,
-        ttl: &[u32],
-    ) -> Vec<usize> {
+    fn match_lengths(&self, hashes: &[u64], replicas: usize, now: u32, ttl: &[u32]) -> Vec<usize> {
         let mut out = vec![0usize; replicas];
         let mut alive: u64 = if replicas >= 64 {
             u64::MAX
@@ -205,8 +277,7 @@ impl PrefixIndex {
         out
     }
 
-    /// Drops approximate bits older than `max_ttl` (a periodic sweep keeps the map bounded).
-    pub fn expire(&self, now: u32, max_ttl: u32) {
+    fn expire(&self, now: u32, max_ttl: u32) {
         self.map.retain(|_, e| {
             if now.saturating_sub(e.touched) >= max_ttl {
                 e.approx = 0;
@@ -280,6 +351,23 @@ mod tests {
         idx.remove_replica(1);
         assert_eq!(idx.match_lengths(&[5, 6], 2, 0, &[10, 10]), vec![0, 0]);
         assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn slots_beyond_64_live_in_further_groups() {
+        let idx = PrefixIndex::new(100);
+        idx.apply(3, &stored(&[1, 2, 3]));
+        idx.apply(70, &stored(&[1, 2]));
+        idx.record_routed(130, &[1], 5);
+        let ttl = vec![60; 140];
+        let m = idx.match_lengths(&[1, 2, 3], 140, 6, &ttl);
+        assert_eq!(m.len(), 140);
+        assert_eq!((m[3], m[70], m[130]), (3, 2, 1));
+        assert_eq!(m.iter().filter(|&&x| x > 0).count(), 3);
+        // A fleet listed past the groups in use: the missing groups match nothing.
+        assert_eq!(idx.match_lengths(&[1], 300, 6, &[60; 300])[200], 0);
+        idx.remove_replica(70);
+        assert_eq!(idx.match_lengths(&[1, 2], 140, 6, &ttl)[70], 0);
     }
 
     #[test]

@@ -13,7 +13,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -30,9 +30,6 @@ use arc_swap::ArcSwap;
 use crate::admission::LatencyModel;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
-
-/// Most replicas (slots) a gateway tracks: one bit each in the prefix index.
-pub const MAX_SLOTS: usize = 64;
 
 pub type HttpClient = Client<HttpConnector, http_body_util::Full<Bytes>>;
 
@@ -51,7 +48,13 @@ pub struct ReplicaHandle {
     pub name: String,
     /// What the gateway has learnt about this replica's speed from the streams it relays.
     pub model: parking_lot::Mutex<LatencyModel>,
-    pub metrics: ReplicaMetrics,
+    /// Its series, registered once its label is settled (see [`ReplicaHandle::label`]).
+    metrics: OnceLock<ReplicaMetrics>,
+    factory: Arc<GatewayMetrics>,
+    /// Its identity in metrics, explain, the access log and the admin API: the `replica_id` its
+    /// `/server_info` reports (the label its own metrics carry), or its address. Settled at the
+    /// first health check.
+    label: OnceLock<String>,
     /// Removed from the list: no new requests; the ones it has finish.
     retired: AtomicBool,
     /// Health, load and event tasks, stopped on retirement.
@@ -97,12 +100,14 @@ pub struct ReplicaHandle {
 }
 
 impl ReplicaHandle {
-    fn new(slot: usize, name: String, metrics: ReplicaMetrics) -> Self {
+    fn new(slot: usize, name: String, factory: Arc<GatewayMetrics>) -> Self {
         ReplicaHandle {
             slot,
             name,
             model: parking_lot::Mutex::new(LatencyModel::default()),
-            metrics,
+            metrics: OnceLock::new(),
+            factory,
+            label: OnceLock::new(),
             retired: AtomicBool::new(false),
             tasks: parking_lot::Mutex::new(Vec::new()),
             addr: RwLock::new(None),
@@ -127,6 +132,25 @@ impl ReplicaHandle {
             warned_at_ms: AtomicU64::new(0),
             ejections: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// The replica's identity: its reported id, or its address (`name`) when it reports none
+    /// or another replica already uses that id.
+    pub fn label(&self) -> &str {
+        self.label.get().map_or(self.name.as_str(), String::as_str)
+    }
+
+    /// Whether the label is settled (the first health check has run).
+    pub fn label_settled(&self) -> bool {
+        self.label.get().is_some()
+    }
+
+    /// Its metric handles (registering them, and settling the label, on first use).
+    pub fn metrics(&self) -> &ReplicaMetrics {
+        self.metrics.get_or_init(|| {
+            let _ = self.label.set(self.name.clone());
+            self.factory.replica(self.label(), &self.name)
+        })
     }
 
     /// Resolves when the replica is ejected after this call.
@@ -270,7 +294,7 @@ impl Registry {
             .replicas
             .iter()
             .enumerate()
-            .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone(), metrics.replica(n))))
+            .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone(), metrics.clone())))
             .collect();
         Registry {
             fleet_auth,
@@ -337,17 +361,10 @@ impl Registry {
                     && r.in_flight.load(Ordering::Relaxed) == 0
                     && !names.contains(&r.name)
             });
-            let slot = match free {
-                Some(s) => s,
-                None if next.len() < MAX_SLOTS => next.len(),
-                None => {
-                    return Err(format!(
-                        "no free slot for {n}: at most {MAX_SLOTS} replicas (removed ones free \
-                         their slot once their requests end)"
-                    ))
-                }
-            };
-            let h = Arc::new(ReplicaHandle::new(slot, n.clone(), self.metrics.replica(n)));
+            // A retired slot with nothing in flight is reused; otherwise the fleet grows (the
+            // prefix index adds a group of 64 slots when needed).
+            let slot = free.unwrap_or(next.len());
+            let h = Arc::new(ReplicaHandle::new(slot, n.clone(), self.metrics.clone()));
             if slot == next.len() {
                 next.push(h.clone());
             } else {
@@ -366,7 +383,7 @@ impl Registry {
                     t.abort();
                 }
                 self.index.remove_replica(r.slot);
-                r.metrics.healthy.set(0.0);
+                r.metrics().healthy.set(0.0);
                 removed.push(r.name.clone());
             }
         }
@@ -522,13 +539,15 @@ impl Registry {
             let never_seen = oks == 1 && r.fails.load(Ordering::Relaxed) == 0;
             if !r.is_healthy() && (oks >= h.successes_to_readmit || never_seen) {
                 r.healthy.store(true, Ordering::Relaxed);
-                tracing::info!(replica = %r.name, "replica admitted");
+                r.metrics().healthy.set(1.0);
+                tracing::info!(replica = %r.name, label = %r.label(), "replica admitted");
             }
         } else {
             r.oks.store(0, Ordering::Relaxed);
             let fails = r.fails.fetch_add(1, Ordering::Relaxed) + 1;
             if r.is_healthy() && fails >= h.failures_to_eject {
                 r.healthy.store(false, Ordering::Relaxed);
+                r.metrics().healthy.set(0.0);
                 r.ejections.send_modify(|n| *n += 1);
                 self.index.remove_replica(r.slot);
                 tracing::warn!(replica = %r.name, fails, "replica ejected");
@@ -595,22 +614,48 @@ impl Registry {
                 tracing::warn!(replica = %r.name, error = %why, "replica not admitted: its health check fails");
             }
         }
-        self.record_check(r, ok);
+        // What the replica says about itself is learnt before it is admitted, so its label
+        // (and its series) carry its own id from the start.
+        let mut id = None;
         if let (true, Some(addr), None) = (ok, addr, r.max_model_len()) {
             self.learn_model_len(r, addr, timeout).await;
-            self.learn_prefill_prior(r, addr, timeout).await;
+            id = self.learn_server_info(r, addr, timeout).await;
         }
+        if !r.label_settled() {
+            self.settle_label(r, id);
+        }
+        self.record_check(r, ok);
     }
 
-    /// Starts the replica's TTFT model from its own prefill estimate, when it gives one
-    /// (kvgate replicas: `prefill_tokens_per_s` in `/server_info`).
-    async fn learn_prefill_prior(&self, r: &ReplicaHandle, addr: SocketAddr, timeout: Duration) {
-        let Some(body) = self.get(addr, "/server_info", timeout).await else {
-            return;
+    /// Settles `r`'s label: its reported id unless another listed replica already has it.
+    fn settle_label(&self, r: &ReplicaHandle, id: Option<String>) {
+        let taken = |id: &str| {
+            self.replicas.load().iter().any(|o| {
+                o.slot != r.slot && !o.is_retired() && o.label_settled() && o.label() == id
+            })
         };
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
-            return;
+        let label = match id {
+            Some(id) if taken(&id) => {
+                tracing::warn!(replica = %r.name, id = %id, "two replicas report the same replica_id; labelling this one by its address");
+                r.name.clone()
+            }
+            Some(id) => id,
+            None => r.name.clone(),
         };
+        let _ = r.label.set(label);
+    }
+
+    /// Learns from `/server_info` (kvgate and SGLang replicas): the prefill-rate prior of the
+    /// TTFT model (`prefill_tokens_per_s`), the chunk budget (`chunked_prefill_size`); returns
+    /// the replica's own id (`replica_id`) when it reports one.
+    async fn learn_server_info(
+        &self,
+        r: &ReplicaHandle,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Option<String> {
+        let body = self.get(addr, "/server_info", timeout).await?;
+        let v = serde_json::from_slice::<serde_json::Value>(&body).ok()?;
         if let Some(chunk) = v["chunked_prefill_size"].as_u64().filter(|&c| c > 0) {
             r.chunk_tokens.store(chunk, Ordering::Relaxed);
         }
@@ -619,6 +664,10 @@ impl Registry {
                 .lock()
                 .set_prior(rate, crate::admission::GENERIC_OVERHEAD_S);
         }
+        v["replica_id"]
+            .as_str()
+            .filter(|s| !s.is_empty() && s.len() <= 128)
+            .map(str::to_string)
     }
 
     /// Reads the replica's context limit from `/v1/models` (vLLM and kvgate report

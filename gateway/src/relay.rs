@@ -7,6 +7,7 @@
 
 use bytes::Bytes;
 use config::HitSignals;
+use protocol::sse::{parse_event, SseEvent};
 use protocol::ApiError;
 use serde_json::Value;
 
@@ -133,18 +134,14 @@ impl SseTap {
 
     /// Looks at one event; returns its replacement when it must change.
     fn inspect(&mut self, event: &[u8], hits: &HitPolicy) -> Option<Vec<u8>> {
-        let text = std::str::from_utf8(event).ok()?;
-        let payload: String = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(|d| d.strip_prefix(' ').unwrap_or(d))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let payload = match parse_event(event)? {
+            SseEvent::Done => {
+                self.done = true;
+                return None;
+            }
+            SseEvent::Data(d) => d,
+        };
         let payload = payload.trim();
-        if payload == "[DONE]" {
-            self.done = true;
-            return None;
-        }
         let bytes = payload.as_bytes();
         if carries_text(bytes) {
             self.choice_events += 1;

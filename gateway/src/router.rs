@@ -331,8 +331,8 @@ impl Router {
             .record_routed(d.replica, &p.hashes, self.registry.now_s());
         self.metrics.decision(policy, d.reason.label());
         if let Some(r) = self.registry.replica(d.replica) {
-            r.metrics.prompt_tokens.increment(p.prompt_tokens as u64);
-            r.metrics
+            r.metrics().prompt_tokens.increment(p.prompt_tokens as u64);
+            r.metrics()
                 .predicted_hit_tokens
                 .increment((d.matched_blocks * self.block_size) as u64);
         }

@@ -162,11 +162,15 @@ pub async fn build_gateway(
             let reg = &s.router.registry;
             m.index_blocks.set(reg.index.len() as f64);
             m.index_bytes.set(reg.index.size_bytes() as f64);
-            for r in reg.replicas().iter().filter(|r| !r.is_retired()) {
-                r.metrics
-                    .healthy
-                    .set(if r.is_healthy() { 1.0 } else { 0.0 });
-                r.metrics.in_flight.set(f64::from(r.load().in_flight));
+            // Series appear once a replica's label is settled (its first health check).
+            for r in reg
+                .replicas()
+                .iter()
+                .filter(|r| !r.is_retired() && r.label_settled())
+            {
+                let m = r.metrics();
+                m.healthy.set(if r.is_healthy() { 1.0 } else { 0.0 });
+                m.in_flight.set(f64::from(r.load().in_flight));
             }
             reg.index.expire(reg.now_s(), s_max_ttl(&cfg_ttls(&s)));
             for rt in s.policies.runtimes() {
@@ -416,6 +420,49 @@ fn names(state: &GatewayState) -> Vec<String> {
         .collect()
 }
 
+/// The listed replicas' names, in list order.
+fn listed_names(state: &GatewayState) -> Vec<String> {
+    state
+        .router
+        .registry
+        .listed()
+        .into_iter()
+        .map(|(_, n)| n)
+        .collect()
+}
+
+/// `PUT /admin/replicas` with `{"replicas": ["host:port", ...]}`: the fleet grows and shrinks
+/// without a restart (the same rules as a reload of the gateway file's list).
+async fn put_replicas(state: &GatewayState, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let limit = state.max_body_bytes;
+    let body = match Limited::new(req.into_body(), limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(_) => {
+            let e = ApiError::payload_too_large(limit);
+            return json(e.status, e.to_json());
+        }
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Fleet {
+        replicas: Vec<String>,
+    }
+    let applied = serde_json::from_slice::<Fleet>(&body)
+        .map_err(|e| format!("the body must be {{\"replicas\": [\"host:port\", ...]}}: {e}"))
+        .and_then(|f| config::gateway::replica_list(&f.replicas).map_err(|e| e.to_string()))
+        .and_then(|list| state.apply_replicas(&list));
+    match applied {
+        Ok(_) => json(
+            200,
+            serde_json::json!({"replicas": listed_names(state)}).to_string(),
+        ),
+        Err(e) => {
+            let err = ApiError::invalid_request(e).with_code("replicas_rejected");
+            json(400, err.to_json())
+        }
+    }
+}
+
 fn json(status: u16, body: String) -> Response<Full<Bytes>> {
     Response::builder()
         .status(status)
@@ -458,6 +505,7 @@ async fn admin_handle(
                         0,
                     );
                     serde_json::json!({
+                        "replica": r.label(),
                         "name": r.name,
                         "pending_prefill_tokens": pressure.queued_prefill_tokens,
                         "preempting": pressure.preempting,
@@ -483,17 +531,12 @@ async fn admin_handle(
             json(200, serde_json::Value::Array(v).to_string())
         }
         ("GET", "/admin/policy") => json(200, state.policies.describe(&names(&state)).to_string()),
+        ("PUT", "/admin/replicas") => put_replicas(&state, req).await,
         ("POST", "/admin/replicas/reload") => match state.reload_replicas(true) {
-            Ok(_) => {
-                let listed: Vec<String> = state
-                    .router
-                    .registry
-                    .listed()
-                    .into_iter()
-                    .map(|(_, n)| n)
-                    .collect();
-                json(200, serde_json::json!({"replicas": listed}).to_string())
-            }
+            Ok(_) => json(
+                200,
+                serde_json::json!({"replicas": listed_names(&state)}).to_string(),
+            ),
             Err(e) => {
                 let err = ApiError::invalid_request(e).with_code("replicas_rejected");
                 json(400, err.to_json())

@@ -47,3 +47,13 @@ pub struct GatewayState {
     /// The gateway file and the hash of its text last seen, for replica-list reloads.
     pub gateway_file: Option<(std::path::PathBuf, parking_lot::Mutex<Option<u64>>)>,
 }
+
+impl GatewayState {
+    /// Counts a request refused for its credentials on `port` (`api` or `admin`).
+    pub(crate) fn auth_failed(&self, port: &'static str) {
+        self.router
+            .metrics
+            .counter("kvgate_gateway_auth_failures_total", &[("port", port)])
+            .increment(1);
+    }
+}

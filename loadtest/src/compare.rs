@@ -205,7 +205,7 @@ pub fn knee<'a>(runs: impl Iterator<Item = &'a Report>, slo: &crate::run::Slo) -
     let mut rs: Vec<&Report> = runs.collect();
     rs.sort_by(|a, b| a.rate.total_cmp(&b.rate));
     let base_p95 = rs.first()?.ttft_s.as_ref().map(|s| s.p95)?;
-    let has_slo = slo.ttft_s.is_some() || slo.itl_s.is_some();
+    let has_slo = slo.ttft.is_some() || slo.itl.is_some();
     rs.iter()
         .filter(|r| {
             if has_slo {
@@ -230,8 +230,8 @@ impl CompareReport {
             self.seed,
             self.duration_s,
             self.warmup_s,
-            self.slo.ttft_s.map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
-            self.slo.itl_s.map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
+            self.slo.ttft_s().map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
+            self.slo.itl_s().map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
         );
         let oracle: BTreeMap<String, f64> = self
             .oracle

@@ -230,7 +230,7 @@ pub fn write_all(r: &CompareReport, dir: &Path) -> Result<Vec<PathBuf>, String> 
                 y_desc: "fraction of requests",
                 marks: &[],
                 y_max: Some(1.0),
-                slo: r.slo.ttft_s.map(SloLine::X),
+                slo: r.slo.ttft_s().map(SloLine::X),
                 // CDFs rise to 1 early: the lower right stays empty.
                 legend: SeriesLabelPosition::LowerRight,
             },
@@ -269,7 +269,7 @@ pub fn write_all(r: &CompareReport, dir: &Path) -> Result<Vec<PathBuf>, String> 
             y_desc: "p95 TTFT (s)",
             marks: &marks,
             y_max: None,
-            slo: r.slo.ttft_s.map(SloLine::Y),
+            slo: r.slo.ttft_s().map(SloLine::Y),
             // Latency climbs with throughput: the upper left stays empty.
             legend: SeriesLabelPosition::UpperLeft,
         },

@@ -61,34 +61,21 @@ impl Workload {
     }
 }
 
-/// Latency targets a request must meet to count as goodput (p95 of its own gaps for ITL).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct Slo {
-    pub ttft_s: Option<f64>,
-    pub itl_s: Option<f64>,
-}
+/// The latency promise and goodput rule, as the gateway judges them (`protocol::slo`).
+pub use protocol::slo::Slo;
 
-impl Slo {
-    pub fn met(&self, s: &Sample) -> bool {
-        if !s.ok() {
-            return false;
-        }
-        let ttft_ok = match (self.ttft_s, s.ttft_s) {
-            (None, _) => true,
-            (Some(t), Some(x)) => x <= t,
-            (Some(_), None) => false,
-        };
-        let itl_ok = match self.itl_s {
-            None => true,
-            Some(t) => {
-                let mut g = s.inter_token_s.clone();
-                g.sort_by(f64::total_cmp);
-                let rank = ((g.len() as f64) * 0.95).ceil() as usize;
-                g.is_empty() || g[rank.clamp(1, g.len()) - 1] <= t
-            }
-        };
-        ttft_ok && itl_ok
+/// Whether a sample was good: answered, and within the promise by the shared rule.
+pub fn is_good(slo: &Slo, s: &Sample) -> bool {
+    if !s.ok() {
+        return false;
     }
+    let gaps: Vec<Duration> = s
+        .inter_token_s
+        .iter()
+        .map(|&g| Duration::from_secs_f64(g.max(0.0)))
+        .collect();
+    slo.judge_stream(s.ttft_s.map(|t| Duration::from_secs_f64(t.max(0.0))), &gaps)
+        .good()
 }
 
 #[derive(Debug, Clone)]
@@ -253,7 +240,7 @@ pub fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
     let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
     let out_tokens: u64 = ok.iter().map(|s| s.completion_tokens).sum();
-    let good = ok.iter().filter(|s| spec.slo.met(s)).count();
+    let good = ok.iter().filter(|s| is_good(&spec.slo, s)).count();
     let shed = measured.iter().filter(|s| s.status == 429).count();
     let mut per_replica = BTreeMap::new();
     for s in &ok {
@@ -356,17 +343,14 @@ mod tests {
 
     #[test]
     fn goodput_judges_ttft_and_the_p95_gap() {
-        let slo = Slo {
-            ttft_s: Some(1.0),
-            itl_s: Some(0.05),
-        };
-        assert!(slo.met(&sample(0.5, &[0.04; 20], 200)));
-        assert!(!slo.met(&sample(1.5, &[0.04; 20], 200)));
+        let slo = Slo::from_ms(Some(1000), Some(50));
+        assert!(is_good(&slo, &sample(0.5, &[0.04; 20], 200)));
+        assert!(!is_good(&slo, &sample(1.5, &[0.04; 20], 200)));
         let mut gaps = vec![0.04; 18];
         gaps.extend([0.5, 0.5]);
-        assert!(!slo.met(&sample(0.5, &gaps, 200)));
-        assert!(!slo.met(&sample(0.5, &[0.04], 429)));
-        assert!(Slo::default().met(&sample(100.0, &[9.0], 200)));
+        assert!(!is_good(&slo, &sample(0.5, &gaps, 200)));
+        assert!(!is_good(&slo, &sample(0.5, &[0.04], 429)));
+        assert!(is_good(&Slo::default(), &sample(100.0, &[9.0], 200)));
     }
 
     #[test]
@@ -382,10 +366,7 @@ mod tests {
             warmup: Duration::from_secs(5),
             seed: 1,
             request_timeout: Duration::from_secs(1),
-            slo: Slo {
-                ttft_s: Some(1.0),
-                itl_s: None,
-            },
+            slo: Slo::from_ms(Some(1000), None),
             progress: false,
         };
         let mut warm = sample(0.1, &[0.01], 200);

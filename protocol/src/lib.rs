@@ -14,6 +14,7 @@ pub mod kv_events;
 pub mod openai;
 pub mod openai_fields;
 pub mod segment_cache;
+pub mod slo;
 pub mod sse;
 pub mod token_bound;
 pub mod tokenizer;

@@ -61,7 +61,10 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
-fn parse_event(raw: &[u8]) -> Option<SseEvent> {
+/// One raw event (without its blank line) decoded: its `data:` lines joined, `None` for a
+/// comment or keep-alive. The gateway's relay frames events itself (it forwards the bytes) and
+/// decodes each with this.
+pub fn parse_event(raw: &[u8]) -> Option<SseEvent> {
     let text = String::from_utf8_lossy(raw);
     let mut data: Vec<&str> = Vec::new();
     for line in text.lines() {

@@ -27,10 +27,7 @@ async fn a_short_chat_run_produces_a_well_formed_report() {
         warmup: Duration::from_millis(500),
         seed: 3,
         request_timeout: Duration::from_secs(120),
-        slo: Slo {
-            ttft_s: Some(30.0),
-            itl_s: None,
-        },
+        slo: Slo::from_ms(Some(30_000), None),
         progress: false,
     };
     let report = run(&spec).await;

@@ -102,7 +102,8 @@ async fn the_access_log_records_route_replica_tokens_and_timers() {
     let a = &lines[0];
     assert_eq!(a["status"], 200);
     assert_eq!(a["route"], "default");
-    assert_eq!(a["replica"], rep.host_port());
+    assert_eq!(a["replica"], "test-replica", "the id the replica reports");
+    assert_eq!(a["address"], rep.host_port());
     assert!(a["reason"].is_string() && a["prompt_tokens"].as_u64().unwrap() > 0);
     assert!(a["ttft_ms"].as_f64().is_some() && a["e2e_ms"].as_f64().is_some());
     assert_eq!(a["output_tokens"], 3);
@@ -246,4 +247,111 @@ async fn the_replica_list_reloads_from_the_gateway_file() {
     assert_eq!(r.status(), 400);
     assert_eq!(served_by(2).await, BTreeSet::from(["b".to_string()]));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fleet is set through the admin API, past 64 replicas (one prefix-index group), and every
+/// replica is known by the id it reports, with its address beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids() {
+    let a = start_replica(|c| c.replica_id = "alpha".into()).await;
+    let b = start_replica(|c| c.replica_id = "beta".into()).await;
+    let gw = start_gateway(&[&a], common::exact_hit_signals).await;
+    // 70 addresses nothing listens on (refused at once), then b: b takes slot 71.
+    let mut list: Vec<String> = vec![a.host_port()];
+    list.extend((1..=70).map(|p| format!("127.0.0.1:{p}")));
+    list.push(b.host_port());
+    let put = |body: serde_json::Value| {
+        gw.client
+            .put(format!("{}/admin/replicas", gw.admin))
+            .json(&body)
+            .send()
+    };
+    let r = put(json!({"replicas": list})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["replicas"].as_array().unwrap().len(), 72);
+    // b is admitted and labelled by its own id.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let v = gw.admin_json("/admin/replicas").await;
+        let beta = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == b.host_port())
+            .cloned();
+        if beta.as_ref().is_some_and(|r| r["healthy"] == true) {
+            assert_eq!(beta.unwrap()["replica"], "beta");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b never admitted: {v}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // A prompt cached at b (slot 71, the second index group) is routed back to it.
+    let prompt = "The fleet grows without a restart. ".repeat(30);
+    let body = json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1});
+    let first = gw.post("/v1/completions", body.clone()).await;
+    let first_replica = first.headers()["x-kvgate-upstream"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let second = gw.post("/v1/completions", body.clone()).await;
+    assert_eq!(
+        second.headers()["x-kvgate-upstream"],
+        first_replica.as_str()
+    );
+    assert_eq!(second.headers()["x-kvgate-route-reason"], "prefix_match");
+    // Explain and the metrics use the same identity: the id, with the address beside it.
+    let e: serde_json::Value = gw
+        .client
+        .post(format!("{}/admin/route/explain", gw.admin))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(e["replicas"][71]["replica"], "beta", "{e}");
+    assert_eq!(e["replicas"][71]["address"], b.host_port());
+    assert_eq!(e["replicas"][0]["replica"], "alpha");
+    let metrics = gw
+        .client
+        .get(format!("{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let series = format!(
+        "kvgate_gateway_replica_healthy{{replica=\"beta\",address=\"{}\"}} 1",
+        b.host_port()
+    );
+    assert!(metrics.contains(&series), "no {series} in\n{metrics}");
+    // Bad bodies and bad lists are refused, and the fleet stays.
+    for bad in [
+        json!({"replicas": []}),
+        json!({"replica": ["a:1"]}),
+        json!({"replicas": ["https://x:1"]}),
+    ] {
+        let r = put(bad.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+    }
+    assert_eq!(
+        gw.admin_json("/admin/replicas")
+            .await
+            .as_array()
+            .unwrap()
+            .len(),
+        72
+    );
+    // Shrinking back: b alone.
+    let r = put(json!({"replicas": [b.host_port()]})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let second = gw.post("/v1/completions", body).await;
+    assert_eq!(second.headers()["x-kvgate-replica"], "beta");
 }
