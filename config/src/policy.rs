@@ -52,8 +52,18 @@ fn default_tie_ms() -> f64 {
 fn default_tie_ratio() -> f64 {
     0.1
 }
-fn default_abs_threshold() -> u32 {
-    16
+/// The request-count guard's threshold under the `tokens` cost when none is set.
+pub const TOKENS_ABS_THRESHOLD: u32 = 16;
+
+impl PrefixAwareConfig {
+    /// The load guard's absolute threshold in force, if any.
+    pub fn abs_threshold(&self) -> Option<u32> {
+        match (self.balance_abs_threshold, self.cost) {
+            (Some(t), _) => Some(t),
+            (None, CostModel::Tokens) => Some(TOKENS_ABS_THRESHOLD),
+            (None, CostModel::Ttft) => None,
+        }
+    }
 }
 fn default_rel_threshold() -> f64 {
     1.5
@@ -106,9 +116,11 @@ pub struct PrefixAwareConfig {
     #[serde(default = "default_kv_usage_weight")]
     pub kv_usage_weight: f64,
     /// Load guard: affinity is overridden when the preferred replica's load exceeds the least
-    /// loaded replica's by more than this many requests ...
-    #[serde(default = "default_abs_threshold")]
-    pub balance_abs_threshold: u32,
+    /// loaded replica's by more than this many requests ... Unset: 16 under the `tokens` cost,
+    /// and no guard under `ttft` (seconds already price the load; the request-count guard only
+    /// gave cache reuse away — BENCHMARKS, issue 11).
+    #[serde(default)]
+    pub balance_abs_threshold: Option<u32>,
     /// ... and by more than this factor.
     #[serde(default = "default_rel_threshold")]
     pub balance_rel_threshold: f64,
@@ -124,7 +136,7 @@ impl Default for PrefixAwareConfig {
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
-            balance_abs_threshold: default_abs_threshold(),
+            balance_abs_threshold: None,
             balance_rel_threshold: default_rel_threshold(),
         }
     }
@@ -301,7 +313,16 @@ mod tests {
         match p {
             PolicyConfig::PrefixAware(c) => {
                 assert_eq!(c.load_weight, 100.0);
-                assert_eq!(c.balance_abs_threshold, 16);
+                assert_eq!(
+                    c.abs_threshold(),
+                    None,
+                    "no count guard under the ttft cost"
+                );
+                let tokens = PrefixAwareConfig {
+                    cost: CostModel::Tokens,
+                    ..c.clone()
+                };
+                assert_eq!(tokens.abs_threshold(), Some(16));
             }
             other => panic!("{other:?}"),
         }
