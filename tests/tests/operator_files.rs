@@ -290,34 +290,6 @@ async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids()
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    // A prompt cached at b (slot 71, the second index group) is routed back to it.
-    let prompt = "The fleet grows without a restart. ".repeat(30);
-    let body = json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1});
-    let first = gw.post("/v1/completions", body.clone()).await;
-    let first_replica = first.headers()["x-kvgate-upstream"]
-        .to_str()
-        .unwrap()
-        .to_string();
-    let second = gw.post("/v1/completions", body.clone()).await;
-    assert_eq!(
-        second.headers()["x-kvgate-upstream"],
-        first_replica.as_str()
-    );
-    assert_eq!(second.headers()["x-kvgate-route-reason"], "prefix_match");
-    // Explain and the metrics use the same identity: the id, with the address beside it.
-    let e: serde_json::Value = gw
-        .client
-        .post(format!("{}/admin/route/explain", gw.admin))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(e["replicas"][71]["replica"], "beta", "{e}");
-    assert_eq!(e["replicas"][71]["address"], b.host_port());
-    assert_eq!(e["replicas"][0]["replica"], "alpha");
     let metrics = gw
         .client
         .get(format!("{}/metrics", gw.admin))
@@ -332,6 +304,38 @@ async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids()
         b.host_port()
     );
     assert!(metrics.contains(&series), "no {series} in\n{metrics}");
+    // Shrink to the dead addresses and b: b keeps slot 71 (the second index group), a retires.
+    let r = put(json!({"replicas": list[1..].to_vec()})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    // A prompt cached at b is matched there: the index works past slot 63.
+    let prompt = "The fleet grows without a restart. ".repeat(30);
+    let body = json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1});
+    let first = gw.post("/v1/completions", body.clone()).await;
+    assert_eq!(first.headers()["x-kvgate-replica"], "beta");
+    let second = gw.post("/v1/completions", body.clone()).await;
+    assert_eq!(second.headers()["x-kvgate-route-reason"], "prefix_match");
+    // Explain and the metrics use the same identity: the id, with the address beside it.
+    let e: serde_json::Value = gw
+        .client
+        .post(format!("{}/admin/route/explain", gw.admin))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(e["replicas"][71]["replica"], "beta", "{e}");
+    assert_eq!(e["replicas"][71]["address"], b.host_port());
+    assert!(
+        e["replicas"][71]["matched_blocks"].as_u64().unwrap() > 0,
+        "{e}"
+    );
+    assert_eq!(e["holders"][0]["replica"], "beta");
+    assert_eq!(
+        e["replicas"][0]["replica"], "alpha",
+        "retired, still listed by slot"
+    );
     // Bad bodies and bad lists are refused, and the fleet stays.
     for bad in [
         json!({"replicas": []}),
@@ -347,9 +351,9 @@ async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids()
             .as_array()
             .unwrap()
             .len(),
-        72
+        71
     );
-    // Shrinking back: b alone.
+    // Shrinking further: b alone.
     let r = put(json!({"replicas": [b.host_port()]})).await.unwrap();
     assert_eq!(r.status(), 200);
     let second = gw.post("/v1/completions", body).await;
