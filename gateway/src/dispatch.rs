@@ -18,7 +18,7 @@ use config::Priority;
 use policies::RouteDecision;
 use protocol::ApiError;
 
-use crate::admission::{Shed, Ticket};
+use crate::admission_queue::{Shed, Ticket};
 use crate::placement::{Outcome, Purpose};
 use crate::policy_store::{ActivePolicy, ActiveRoute};
 use crate::registry::PendingPrefill;

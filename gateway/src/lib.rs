@@ -6,6 +6,7 @@
 
 pub mod access_log;
 pub mod admission;
+pub mod admission_queue;
 pub mod auth;
 pub mod body;
 pub mod conn;

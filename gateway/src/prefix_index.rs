@@ -129,7 +129,9 @@ impl PrefixIndex {
         now: u32,
         ttl: &[u32],
     ) -> Vec<usize> {
-        let groups = self.groups();
+        // The read guard, not a copy of the group list: this runs for every request, and the
+        // write side (a new group of 64) is taken once per 64 replicas ever added.
+        let groups = self.groups.read();
         let mut out = Vec::with_capacity(replicas);
         for start in (0..replicas).step_by(GROUP) {
             let n = GROUP.min(replicas - start);

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::admission::{AdmissionQueue, Clock, SystemClock};
+use crate::admission::{Clock, SystemClock};
+use crate::admission_queue::AdmissionQueue;
 use crate::goodput::RouteStats;
 use crate::metrics::GatewayMetrics;
 

@@ -290,15 +290,7 @@ async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids()
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let metrics = gw
-        .client
-        .get(format!("{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics_text().await;
     let series = format!(
         "kvgate_gateway_replica_healthy{{replica=\"beta\",address=\"{}\"}} 1",
         b.host_port()

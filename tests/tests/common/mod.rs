@@ -305,6 +305,18 @@ impl Gateway {
     pub async fn metric(&self, name: &str) -> f64 {
         metric_sum(&self.client, format!("{}/metrics", self.admin), name, "").await
     }
+
+    /// The admin port's whole `/metrics` text.
+    pub async fn metrics_text(&self) -> String {
+        self.client
+            .get(format!("{}/metrics", self.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
 }
 
 /// What a [`FakeReplica`] does with generation requests.
