@@ -262,8 +262,13 @@ pub struct GatewayConfig {
     /// Admin API and Prometheus metrics.
     #[serde(default = "default_admin_listen")]
     pub admin_listen: String,
-    /// `host:port` of each replica (names are re-resolved each health check).
+    /// `host:port` of each replica (names are re-resolved each health check). May be empty
+    /// when `discovery.dns` finds the fleet.
+    #[serde(default)]
     pub replicas: Vec<String>,
+    /// Fleet membership from DNS: one replica per address a name resolves to.
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
     #[serde(default = "default_session_header")]
     pub session_header: String,
     #[serde(default)]
@@ -295,6 +300,35 @@ pub struct GatewayConfig {
     /// when it changes.
     #[serde(skip)]
     pub config_path: Option<std::path::PathBuf>,
+}
+
+/// `[discovery]`: replicas found by resolving names. Every A/AAAA record of `name:port` is one
+/// replica `ip:port` (a Kubernetes headless service, a Consul DNS name, a round-robin record);
+/// the names are re-resolved every `every_s` seconds and the fleet follows, joined to the
+/// static `replicas`. A failed lookup keeps the addresses last found (health checks eject the
+/// dead ones), so a DNS outage never empties the fleet.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// `name:port` each.
+    #[serde(default)]
+    pub dns: Vec<String>,
+    /// Seconds between resolutions.
+    #[serde(default = "default_discovery_every")]
+    pub every_s: u64,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig {
+            dns: Vec::new(),
+            every_s: default_discovery_every(),
+        }
+    }
+}
+
+fn default_discovery_every() -> u64 {
+    10
 }
 
 fn default_model() -> String {
@@ -395,6 +429,7 @@ impl GatewayConfig {
             listen: default_listen(),
             admin_listen: default_admin_listen(),
             replicas: replicas.iter().map(|r| normalize_replica(r)).collect(),
+            discovery: DiscoveryConfig::default(),
             session_header: default_session_header(),
             model: ModelConfig::default(),
             health: HealthConfig::default(),
@@ -443,7 +478,23 @@ impl GatewayConfig {
                 "must be host:port, e.g. \"127.0.0.1:8080\"",
             );
         }
-        check_replicas(&self.replicas, &mut v);
+        if self.discovery.dns.is_empty() || !self.replicas.is_empty() {
+            check_replicas(&self.replicas, &mut v);
+        }
+        for (i, name) in self.discovery.dns.iter().enumerate() {
+            v.check(
+                is_host_port(name),
+                &format!("discovery.dns[{i}]"),
+                format!("{name:?}"),
+                "must be name:port, e.g. \"replicas.kvgate.svc.cluster.local:8000\"",
+            );
+        }
+        v.check(
+            (1..=3600).contains(&self.discovery.every_s),
+            "discovery.every_s",
+            self.discovery.every_s,
+            "must be between 1 and 3600 seconds",
+        );
         v.check(
             self.model.max_model_len != Some(0),
             "model.max_model_len",
@@ -560,7 +611,7 @@ fn check_replicas(replicas: &[String], v: &mut Validator) {
         !replicas.is_empty(),
         "replicas",
         "[]",
-        "list at least one replica",
+        "list at least one replica (or name them through discovery.dns)",
     );
     v.check(
         replicas.len() <= MAX_REPLICAS,
@@ -579,11 +630,8 @@ fn check_replicas(replicas: &[String], v: &mut Validator) {
             );
             continue;
         }
-        let ok = r.rsplit_once(':').is_some_and(|(h, p)| {
-            !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok_and(|p| p > 0)
-        });
         v.check(
-            ok,
+            is_host_port(r),
             &field,
             format!("{r:?}"),
             "must be host:port (http://host:port is accepted too)",
@@ -595,6 +643,13 @@ fn check_replicas(replicas: &[String], v: &mut Validator) {
             "listed twice",
         );
     }
+}
+
+/// `host:port` with a port other than 0.
+fn is_host_port(r: &str) -> bool {
+    r.rsplit_once(':').is_some_and(|(h, p)| {
+        !h.is_empty() && !h.contains('/') && p.parse::<u16>().is_ok_and(|p| p > 0)
+    })
 }
 
 /// Normalises and checks a replica list given at run time (`PUT /admin/replicas`), with the
@@ -677,5 +732,19 @@ mod tests {
         ] {
             assert!(e.contains(needle), "{needle} in {e}");
         }
+    }
+
+    #[test]
+    fn discovery_names_may_stand_in_for_the_list() {
+        let c = GatewayConfig::from_toml("[discovery]\ndns = [\"replicas.svc:8000\"]").unwrap();
+        assert!(c.replicas.is_empty());
+        assert_eq!(c.discovery.every_s, 10);
+        let e = GatewayConfig::from_toml("[discovery]\ndns = [\"nope\"]\nevery_s = 0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("discovery.dns[0]"), "{e}");
+        assert!(e.contains("discovery.every_s"), "{e}");
+        let e = GatewayConfig::from_toml("").unwrap_err().to_string();
+        assert!(e.contains("or name them through discovery.dns"), "{e}");
     }
 }

@@ -1,15 +1,19 @@
-//! The fleet at run time: the replica list changes from the gateway file (reloaded on change,
-//! SIGHUP or `POST /admin/replicas/reload`) or from `PUT /admin/replicas`, both through
-//! [`GatewayState::apply_replicas`] — listed replicas keep their state, new ones join, removed
-//! ones retire (`Registry::reconcile`), and the policy's pools are re-mapped, or the change is
-//! refused whole.
+//! The fleet at run time: the listed replicas change from the gateway file (reloaded on change,
+//! SIGHUP or `POST /admin/replicas/reload`) or from `PUT /admin/replicas`, and the replicas
+//! found through `[discovery] dns` change with their DNS records (`discovery.rs`). All go
+//! through [`GatewayState::apply_replicas`] — replicas still present keep their state, new ones
+//! join, removed ones retire (`Registry::reconcile`), and the policy's pools are re-mapped, or
+//! the change is refused whole.
 
+use std::sync::Arc;
+
+use crate::discovery::resolve;
 use crate::state::GatewayState;
 
 impl GatewayState {
-    /// Re-reads the gateway file and applies its replica list (the only part that reloads;
-    /// other changes are named in the log as needing a restart). A list the active policy
-    /// cannot take (a pool names a replica it drops) is refused whole.
+    /// Re-reads the gateway file and applies its replica list and discovery names (the only
+    /// parts that reload; other changes are named in the log as needing a restart). A list the
+    /// active policy cannot take (a pool names a replica it drops) is refused whole.
     pub fn reload_replicas(&self, force: bool) -> Result<bool, String> {
         let Some((path, seen)) = &self.gateway_file else {
             return Err("the gateway was not started from a file; nothing to reload".into());
@@ -23,17 +27,33 @@ impl GatewayState {
         *seen.lock() = Some(h);
         let result = config::GatewayConfig::from_toml(&text)
             .map_err(|e| format!("{}: {e}", path.display()))
-            .and_then(|cfg| self.apply_replicas(&cfg.replicas));
+            .and_then(|cfg| {
+                if self.discovery.names() != cfg.discovery.dns {
+                    self.discovery.set_names(cfg.discovery.dns.clone());
+                }
+                self.set_listed(cfg.replicas)
+            });
         if let Err(e) = &result {
             tracing::warn!(error = %e, "replica list reload rejected; the list in force stays");
         }
         result
     }
 
+    /// Makes `listed` the static part of the fleet (the file's or the admin API's list), joined
+    /// to what discovery finds. Refused whole, keeping the list in force, when the policy
+    /// cannot take the fleet it makes.
+    pub fn set_listed(&self, listed: Vec<String>) -> Result<bool, String> {
+        let fleet = self.discovery.fleet_with(&listed);
+        let changed = self.apply_replicas(&fleet)?;
+        self.discovery.set_listed(listed);
+        Ok(changed)
+    }
+
     /// Makes `list` (normalised and checked) the fleet: listed replicas keep their state, new
-    /// ones join, missing ones retire (`Registry::reconcile`). Refused whole when the active
-    /// policy's pools do not fit it. `Ok(false)`: it was the list in force already.
+    /// ones join, missing ones retire (`Registry::reconcile`). Refused whole when it is empty or
+    /// the active policy's pools do not fit it. `Ok(false)`: it was the list in force already.
     pub fn apply_replicas(&self, list: &[String]) -> Result<bool, String> {
+        config::gateway::replica_list(list).map_err(|e| e.to_string())?;
         if self.policies.replica_names() == list {
             return Ok(false);
         }
@@ -46,4 +66,49 @@ impl GatewayState {
         tracing::info!(replicas = list.len(), "replica list changed");
         Ok(true)
     }
+
+    /// Resolves every discovery name once and re-applies the fleet when an answer changed.
+    pub async fn rediscover(&self) {
+        let names = self.discovery.names();
+        let timeout = self.discovery.every.min(std::time::Duration::from_secs(5));
+        let mut changed = false;
+        for name in &names {
+            let found = resolve(name, timeout).await;
+            changed |= self.discovery.record(name, found);
+        }
+        self.publish_discovered();
+        if changed {
+            if let Err(e) = self.apply_replicas(&self.discovery.fleet()) {
+                tracing::warn!(error = %e, "discovery: the fleet it found was refused; the fleet in force stays");
+            }
+        }
+    }
+}
+
+impl GatewayState {
+    /// Sets `kvgate_gateway_discovered_replicas` for every discovery name.
+    pub fn publish_discovered(&self) {
+        for (name, n) in self.discovery.counts() {
+            self.router.metrics.discovered(&name).set(n as f64);
+        }
+    }
+}
+
+/// Re-resolves the discovery names every `discovery.every` for as long as the gateway lives.
+pub fn spawn_discovery(state: &Arc<GatewayState>) {
+    let weak = Arc::downgrade(state);
+    state.publish_discovered();
+    let every = state.discovery.every;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let Some(s) = weak.upgrade() else { return };
+            if !s.discovery.names().is_empty() {
+                s.rediscover().await;
+            }
+        }
+    });
 }

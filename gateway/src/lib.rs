@@ -10,6 +10,7 @@ pub mod admission_queue;
 pub mod auth;
 pub mod body;
 pub mod conn;
+pub mod discovery;
 pub mod dispatch;
 pub mod explain;
 pub mod fleet;

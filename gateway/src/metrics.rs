@@ -379,6 +379,16 @@ impl GatewayMetrics {
         self.recorder.register_gauge(&Key::from_name(name), &META)
     }
 
+    /// `kvgate_gateway_discovered_replicas{name}`: how many addresses a discovery name resolves
+    /// to (names come from the gateway file, so the label is bounded).
+    pub fn discovered(&self, name: &str) -> Gauge {
+        let key = Key::from_parts(
+            "kvgate_gateway_discovered_replicas",
+            vec![Label::new("name", name.to_string())],
+        );
+        self.recorder.register_gauge(&key, &META)
+    }
+
     pub fn decision(&self, policy: &'static str, reason: &'static str) {
         self.recorder
             .register_counter(

@@ -31,6 +31,8 @@ use crate::auth::{
     check_bearer, is_loopback, read_secret, ApiKeyStore, ADMIN_TOKEN_ENV, FLEET_TOKEN_ENV,
 };
 use crate::conn::{accept_loop, connection_budget, ConnMetrics, GuardedStream, HeaderLimits};
+use crate::discovery::{resolve, Discovery};
+use crate::fleet::spawn_discovery;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;
 use crate::policy_store::PolicyStore;
@@ -51,6 +53,10 @@ pub enum GatewayError {
     Auth(String),
     #[error("access log {0}: {1}")]
     AccessLog(String, std::io::Error),
+    #[error(
+        "no replicas: `replicas` lists none and the discovery names ({0}) resolve to no address"
+    )]
+    NoReplicas(String),
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -65,10 +71,27 @@ pub struct GatewayServer {
 }
 
 pub async fn build_gateway(
-    cfg: GatewayConfig,
+    mut cfg: GatewayConfig,
     listener: TcpListener,
     admin: TcpListener,
 ) -> Result<GatewayServer, GatewayError> {
+    // The fleet at start: the listed replicas and what the discovery names resolve to now.
+    let discovery = Discovery::new(
+        cfg.replicas.clone(),
+        cfg.discovery.dns.clone(),
+        Duration::from_secs(cfg.discovery.every_s),
+    );
+    for name in &cfg.discovery.dns {
+        let found = resolve(name, Duration::from_secs(5)).await;
+        if let Err(e) = &found {
+            tracing::warn!(name, error = %e, "discovery: lookup failed at start");
+        }
+        discovery.record(name, found);
+    }
+    cfg.replicas = discovery.fleet();
+    if cfg.replicas.is_empty() {
+        return Err(GatewayError::NoReplicas(cfg.discovery.dns.join(", ")));
+    }
     let dir = match &cfg.model.tokenizer_dir {
         Some(d) => Path::new(d).to_path_buf(),
         None => protocol::tokenizer::default_tokenizer_dir().ok_or(GatewayError::NoTokenizer)?,
@@ -140,6 +163,7 @@ pub async fn build_gateway(
         max_request_prompt_tokens: d.max_request_prompt_tokens,
         model_len_override: cfg.model.max_model_len,
         dispatch_lock: parking_lot::Mutex::new(()),
+        discovery,
         gateway_file: cfg
             .config_path
             .clone()
@@ -151,6 +175,7 @@ pub async fn build_gateway(
         policies,
     });
     spawn_policy_reloaders(&state);
+    spawn_discovery(&state);
     // Gauges that are cheaper to sample than to maintain.
     let weak = Arc::downgrade(&state);
     tokio::spawn(async move {
@@ -449,8 +474,14 @@ async fn put_replicas(state: &GatewayState, req: Request<Incoming>) -> Response<
     }
     let applied = serde_json::from_slice::<Fleet>(&body)
         .map_err(|e| format!("the body must be {{\"replicas\": [\"host:port\", ...]}}: {e}"))
-        .and_then(|f| config::gateway::replica_list(&f.replicas).map_err(|e| e.to_string()))
-        .and_then(|list| state.apply_replicas(&list));
+        .and_then(|f| {
+            // With discovery, the listed part may be empty: the fleet it makes is checked whole.
+            if f.replicas.is_empty() && !state.discovery.names().is_empty() {
+                return Ok(Vec::new());
+            }
+            config::gateway::replica_list(&f.replicas).map_err(|e| e.to_string())
+        })
+        .and_then(|list| state.set_listed(list));
     match applied {
         Ok(_) => json(
             200,

@@ -44,6 +44,8 @@ pub struct GatewayState {
     pub model_len_override: Option<usize>,
     /// Serialises admission decisions with their reservations (`dispatch.rs`).
     pub dispatch_lock: parking_lot::Mutex<()>,
+    /// Where the fleet comes from: the listed replicas and the DNS names (`fleet.rs`).
+    pub discovery: crate::discovery::Discovery,
     /// The gateway file and the hash of its text last seen, for replica-list reloads.
     pub gateway_file: Option<(std::path::PathBuf, parking_lot::Mutex<Option<u64>>)>,
 }

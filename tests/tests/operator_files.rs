@@ -351,3 +351,68 @@ async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids()
     let second = gw.post("/v1/completions", body).await;
     assert_eq!(second.headers()["x-kvgate-replica"], "beta");
 }
+
+/// A gateway with no listed replicas finds its fleet through DNS: `localhost:port` resolves to
+/// the loopback address a replica listens on, which joins the fleet and serves; a replica added
+/// through the admin API joins beside it without dropping it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_is_found_through_dns_and_joined_to_the_listed_replicas() {
+    let a = start_replica(|c| c.replica_id = "found".into()).await;
+    let b = start_replica(|c| c.replica_id = "listed".into()).await;
+    let port = a.host_port().rsplit_once(':').unwrap().1.to_string();
+    let gw = start_gateway(&[], |c| {
+        c.replicas = vec![];
+        c.discovery.dns = vec![format!("localhost:{port}")];
+        c.discovery.every_s = 1;
+        c.policy = config::PolicyConfig::RoundRobin;
+    })
+    .await;
+    let names = |v: serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let v = gw.admin_json("/admin/replicas").await;
+    assert!(names(v.clone()).contains(&a.host_port()), "{v}");
+    let r = gw
+        .post(
+            "/v1/completions",
+            json!({"model": "Qwen3-8B", "prompt": "found by name", "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvgate-replica"], "found");
+    // The listed part is set through the admin API; the discovered replicas stay.
+    let r = gw
+        .client
+        .put(format!("{}/admin/replicas", gw.admin))
+        .json(&json!({"replicas": [b.host_port()]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    let fleet: Vec<String> = v["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_string())
+        .collect();
+    assert!(fleet.contains(&b.host_port()), "{v}");
+    assert!(fleet.contains(&a.host_port()), "{v}");
+    // An empty listed part is accepted when discovery supplies the fleet.
+    let r = gw
+        .client
+        .put(format!("{}/admin/replicas", gw.admin))
+        .json(&json!({"replicas": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!names(gw.admin_json("/admin/replicas").await).contains(&b.host_port()));
+    let metrics = gw.metrics_text().await;
+    let series = format!("kvgate_gateway_discovered_replicas{{name=\"localhost:{port}\"}}");
+    assert!(metrics.contains(&series), "no {series} in\n{metrics}");
+}
