@@ -3,6 +3,9 @@
 
 mod up;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};

@@ -37,6 +37,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
+use crate::write_buffer::WriteBuffer;
+
+/// Response bytes gathered per connection before a flush sends them (a TCP segment's worth).
+const WRITE_BUFFER_BYTES: usize = 8 * 1024;
+
 /// Deadlines and sizes for request headers.
 #[derive(Debug, Clone, Copy)]
 pub struct HeaderLimits {
@@ -107,6 +112,8 @@ pub struct GuardedStream {
     shared: Arc<ConnShared>,
     /// A canned response being written before the connection is failed.
     closing: Option<(&'static str, std::io::ErrorKind)>,
+    /// Response pieces gathered until pingora flushes (`write_buffer.rs`).
+    out: WriteBuffer,
 }
 
 impl std::fmt::Debug for GuardedStream {
@@ -137,6 +144,7 @@ impl GuardedStream {
             scan: HeaderScan::default(),
             shared: Arc::new(ConnShared::default()),
             closing: None,
+            out: WriteBuffer::new(WRITE_BUFFER_BYTES),
         }
     }
 
@@ -284,15 +292,33 @@ impl AsyncWrite for GuardedStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let me = self.get_mut();
+        me.out.poll_write(&mut me.inner, cx, buf)
+    }
+
+    // Vectored and buffered: a streamed chunk's size line, data and CRLF, or a response's
+    // header and body, leave in one system call at pingora's flush.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let me = self.get_mut();
+        me.out.poll_write_vectored(&mut me.inner, cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let me = self.get_mut();
+        me.out.poll_flush(&mut me.inner, cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let me = self.get_mut();
+        me.out.poll_shutdown(&mut me.inner, cx)
     }
 }
 

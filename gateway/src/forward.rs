@@ -506,7 +506,14 @@ impl GatewayState {
             ..Outcome::default()
         };
         let mut last: Option<Instant> = None;
+        let idle_timer = tokio::time::sleep(idle);
+        tokio::pin!(idle_timer);
         let mut next = Some(first);
+        // Chunks the replica had already sent when one is relayed go out with it, in one
+        // write; each still counts as an inter-token gap (of zero) for the timers.
+        let mut coalesced = 0usize;
+        // A frame other than data met while coalescing, handled on the next turn.
+        let mut stashed = None;
         let cut: Option<(&'static str, String)> = loop {
             if let Some(data) = next.take() {
                 let now = Instant::now();
@@ -530,12 +537,18 @@ impl GatewayState {
                         }
                     }
                     Some(prev) => {
-                        outcome.gaps.push(now - prev);
-                        stats.inter_token_seconds.record((now - prev).as_secs_f64());
                         let batch = ctx.replica.load().requests().max(1);
-                        ctx.replica.model.lock().observe_itl(batch, now - prev);
+                        let mut model = ctx.replica.model.lock();
+                        let gaps = std::iter::once(now - prev)
+                            .chain(std::iter::repeat_n(Duration::ZERO, coalesced));
+                        for gap in gaps {
+                            outcome.gaps.push(gap);
+                            stats.inter_token_seconds.record(gap.as_secs_f64());
+                            model.observe_itl(batch, gap);
+                        }
                     }
                 }
+                coalesced = 0;
                 last = Some(now);
                 if session
                     .write_response_body(Some(data), false)
@@ -551,15 +564,25 @@ impl GatewayState {
             if tap.done {
                 break None;
             }
-            let frame = tokio::select! {
-                r = tokio::time::timeout(idle, body.frame()) => match r {
-                    Ok(f) => f,
-                    Err(_) => break Some(("idle_timeout", format!(
-                        "replica {} sent nothing for {} ms", ctx.replica.name, idle.as_millis()))),
-                },
+            // One idle timer for the whole stream, re-armed only when it fires early: a token
+            // costs no timer registration.
+            let frame = match stashed.take() {
+                Some(f) => f,
+                None => tokio::select! {
+                f = body.frame() => f,
+                _ = &mut idle_timer => {
+                    let quiet_since = last.unwrap_or(ctx.sent_at);
+                    if quiet_since.elapsed() >= idle {
+                        break Some(("idle_timeout", format!(
+                            "replica {} sent nothing for {} ms", ctx.replica.name, idle.as_millis())));
+                    }
+                    idle_timer.as_mut().reset((quiet_since + idle).into());
+                    continue;
+                }
                 _ = &mut *ejected => break Some(("replica_ejected", format!(
                     "replica {} was ejected by its health checks mid-stream", ctx.replica.name))),
                 _ = &mut *aborted => break Some(("drain", "the gateway shut down before the answer was complete".to_string())),
+                },
             };
             match frame {
                 None => {
@@ -580,6 +603,13 @@ impl GatewayState {
                 Some(Ok(f)) => {
                     if let Ok(d) = f.into_data() {
                         next = tap.feed(&d, &ctx.hits);
+                    }
+                    if next.is_some() && !tap.done {
+                        let (joined, n, other) =
+                            drain_ready(&mut body, &mut tap, &ctx.hits, next.take()).await;
+                        next = joined;
+                        coalesced = n;
+                        stashed = other;
                     }
                 }
             }
@@ -623,6 +653,63 @@ impl GatewayState {
             .record(ctx.started.elapsed().as_secs_f64());
         result
     }
+}
+
+/// Most chunks joined into one write.
+const MAX_COALESCED: usize = 64;
+
+/// Appends to `first` the events of chunks the replica has already sent: the upstream
+/// connection task decodes one chunk at a time, so each turn yields to let it decode the next
+/// from what it has read, and stops at the first that is not there yet. A replica faster than
+/// the client's reads (or many tokens in one TCP segment) then costs one write, not one per
+/// token; a replica that sends a token at a time costs one extra poll. Returns the events to
+/// write, how many chunks were joined, and a frame that was not data (the end, an error) to
+/// handle next.
+async fn drain_ready(
+    body: &mut hyper::body::Incoming,
+    tap: &mut SseTap,
+    hits: &HitPolicy,
+    first: Option<Bytes>,
+) -> (
+    Option<Bytes>,
+    usize,
+    Option<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>>,
+) {
+    let mut joined: Option<bytes::BytesMut> = None;
+    let mut next = first;
+    let mut n = 0;
+    for _ in 0..MAX_COALESCED {
+        if tap.done {
+            break;
+        }
+        tokio::task::yield_now().await;
+        let more = match futures::FutureExt::now_or_never(body.frame()) {
+            None => break,
+            Some(Some(Ok(f))) => match f.into_data().ok().and_then(|d| tap.feed(&d, hits)) {
+                Some(more) => more,
+                None => continue,
+            },
+            Some(other) => {
+                let out = joined.map(bytes::BytesMut::freeze).or(next);
+                return (out, n, Some(other));
+            }
+        };
+        match (&mut joined, next.take()) {
+            (Some(j), _) => j.extend_from_slice(&more),
+            (None, Some(head)) => {
+                let mut j = bytes::BytesMut::with_capacity(head.len() + more.len() * 8);
+                j.extend_from_slice(&head);
+                j.extend_from_slice(&more);
+                joined = Some(j);
+            }
+            (None, None) => {
+                next = Some(more);
+                continue;
+            }
+        }
+        n += 1;
+    }
+    (joined.map(bytes::BytesMut::freeze).or(next), n, None)
 }
 
 fn rt_slo(ctx: &RelayCtx<'_>) -> crate::admission::Slo {

@@ -28,5 +28,6 @@ pub mod route_runtime;
 pub mod router;
 pub mod server;
 pub mod state;
+pub mod write_buffer;
 
 pub use server::{build_gateway, GatewayServer};

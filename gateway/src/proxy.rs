@@ -23,6 +23,9 @@ use crate::conn::GuardedStream;
 use crate::dispatch::Refusal;
 use crate::router::{Caller, Endpoint, Prepared, PromptLimits};
 
+/// Bodies up to this size are tokenised on the reactor (see [`GatewayState::prepare`]).
+pub const INLINE_PREPARE_BYTES: usize = 1024;
+
 pub use crate::state::{GatewayState, FALLBACK_MODEL_LEN};
 
 pub struct GatewayProxy {
@@ -283,7 +286,10 @@ impl GatewayState {
     }
 
     /// Tokenising is CPU work: it runs on the blocking pool, never on the reactor, and at most
-    /// `tokenize_slots` prompts at once; a request that cannot get a slot in time is shed.
+    /// `tokenize_slots` prompts at once; a request that cannot get a slot in time is shed. A
+    /// small body (at most [`INLINE_PREPARE_BYTES`]: a few hundred tokens, tens of
+    /// microseconds) is prepared where it is, on the reactor — the hand-off to the blocking
+    /// pool and back would cost more than the work.
     pub async fn prepare(
         self: &Arc<Self>,
         endpoint: Endpoint,
@@ -292,6 +298,11 @@ impl GatewayState {
         limits: PromptLimits,
     ) -> Result<Prepared, ApiError> {
         let started = Instant::now();
+        if body.len() <= INLINE_PREPARE_BYTES {
+            let p = self.router.prepare(endpoint, &body, &caller, limits)?;
+            self.record_prepare(&p, started);
+            return Ok(p);
+        }
         let slot = tokio::time::timeout(
             self.tokenize_wait,
             self.tokenize_slots.clone().acquire_owned(),
@@ -314,10 +325,14 @@ impl GatewayState {
         })
         .await
         .map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))??;
+        self.record_prepare(&p, started);
+        Ok(p)
+    }
+
+    fn record_prepare(&self, p: &Prepared, started: Instant) {
         let m = &self.router.metrics;
         m.tokenize_seconds.record(p.tokenize_seconds);
         m.route_seconds.record(started.elapsed().as_secs_f64());
-        Ok(p)
     }
 }
 

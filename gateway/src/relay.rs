@@ -73,58 +73,82 @@ pub struct SseTap {
 
 /// End of the first event in `buf`: the index just past its blank line.
 fn event_end(buf: &[u8]) -> Option<usize> {
-    let mut i = 0;
-    while i + 1 < buf.len() {
-        if buf[i] == b'\n' {
-            if buf[i + 1] == b'\n' {
-                return Some(i + 2);
-            }
-            if buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
-                return Some(i + 3);
-            }
+    let mut from = 0;
+    while let Some(i) = memchr::memchr(b'\n', &buf[from..]).map(|i| from + i) {
+        match buf.get(i + 1) {
+            Some(b'\n') => return Some(i + 2),
+            Some(b'\r') if buf.get(i + 2) == Some(&b'\n') => return Some(i + 3),
+            Some(_) => from = i + 1,
+            None => return None,
         }
-        i += 1;
     }
     None
 }
 
+static CONTENT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"content\":\""));
+static TEXT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"text\":\""));
+static USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\""));
+static ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"error\""));
+
 /// Whether an event's payload holds non-empty generated text.
 fn carries_text(payload: &[u8]) -> bool {
-    [&b"\"content\":\""[..], &b"\"text\":\""[..]]
-        .iter()
-        .any(|key| {
+    [&*CONTENT, &*TEXT].iter().any(|key| {
+        key.find(payload).is_some_and(|i| {
             payload
-                .windows(key.len())
-                .position(|w| w == *key)
-                .is_some_and(|i| payload.get(i + key.len()).is_some_and(|&c| c != b'"'))
+                .get(i + key.needle().len())
+                .is_some_and(|&c| c != b'"')
         })
+    })
 }
 
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+/// The payload of an event that is one `data:` line (what every engine sends per token),
+/// borrowed; `None` for anything else (comments, several lines), which takes the full decoder.
+fn single_data_line(event: &[u8]) -> Option<&[u8]> {
+    let rest = event.strip_prefix(b"data:")?;
+    let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+    let end = memchr::memchr(b'\n', rest)?;
+    let line = &rest[..end];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    // The rest of the event must be its blank line.
+    matches!(&rest[end..], b"\n\n" | b"\n\r\n").then_some(line)
 }
 
 impl SseTap {
     /// Takes upstream bytes; returns the complete events among them (rewritten where needed),
-    /// or `None` while only part of an event has arrived.
-    pub fn feed(&mut self, data: &[u8], hits: &HitPolicy) -> Option<Bytes> {
-        // The common case, one or more whole events in one chunk, is forwarded as it came
-        // unless an event needs rewriting.
-        let mut pending = std::mem::take(&mut self.pending);
-        pending.extend_from_slice(data);
-        let mut out: Vec<u8> = Vec::new();
+    /// or `None` while only part of an event has arrived. Whole events that need no rewriting
+    /// — every token event — are passed on as the same buffer, without a copy.
+    pub fn feed(&mut self, data: &Bytes, hits: &HitPolicy) -> Option<Bytes> {
+        if !self.pending.is_empty() {
+            let mut joined = std::mem::take(&mut self.pending);
+            joined.extend_from_slice(data);
+            return self.feed(&Bytes::from(joined), hits);
+        }
+        let mut rewritten: Option<Vec<u8>> = None;
         let mut at = 0;
-        while let Some(len) = event_end(&pending[at..]) {
-            let event = &pending[at..at + len];
+        while let Some(len) = event_end(&data[at..]) {
+            let event = &data[at..at + len];
             match self.inspect(event, hits) {
-                Some(rewritten) => out.extend_from_slice(&rewritten),
-                None => out.extend_from_slice(event),
+                Some(new) => {
+                    let out = rewritten.get_or_insert_with(|| data[..at].to_vec());
+                    out.extend_from_slice(&new);
+                }
+                None => {
+                    if let Some(out) = &mut rewritten {
+                        out.extend_from_slice(event);
+                    }
+                }
             }
             at += len;
         }
-        pending.drain(..at);
-        self.pending = pending;
-        (!out.is_empty()).then(|| Bytes::from(out))
+        self.pending.extend_from_slice(&data[at..]);
+        match rewritten {
+            Some(out) => Some(Bytes::from(out)),
+            None => (at > 0).then(|| data.slice(..at)),
+        }
     }
 
     /// Bytes of an event that never ended.
@@ -134,23 +158,33 @@ impl SseTap {
 
     /// Looks at one event; returns its replacement when it must change.
     fn inspect(&mut self, event: &[u8], hits: &HitPolicy) -> Option<Vec<u8>> {
-        let payload = match parse_event(event)? {
-            SseEvent::Done => {
-                self.done = true;
-                return None;
-            }
-            SseEvent::Data(d) => d,
+        let decoded;
+        let payload: &[u8] = match single_data_line(event) {
+            Some(p) => p,
+            None => match parse_event(event)? {
+                SseEvent::Done => {
+                    self.done = true;
+                    return None;
+                }
+                SseEvent::Data(d) => {
+                    decoded = d;
+                    decoded.as_bytes()
+                }
+            },
         };
-        let payload = payload.trim();
-        let bytes = payload.as_bytes();
-        if carries_text(bytes) {
+        let payload = payload.trim_ascii();
+        if payload == b"[DONE]" {
+            self.done = true;
+            return None;
+        }
+        if carries_text(payload) {
             self.choice_events += 1;
         }
-        let interesting = contains(bytes, b"\"usage\"") || contains(bytes, b"\"error\"");
+        let interesting = USAGE.find(payload).is_some() || ERROR.find(payload).is_some();
         if !interesting {
             return None;
         }
-        let mut v: Value = serde_json::from_str(payload).ok()?;
+        let mut v: Value = serde_json::from_slice(payload).ok()?;
         if v.get("error").is_some_and(|e| !e.is_null()) {
             self.saw_error = true;
             return None;
@@ -190,7 +224,7 @@ mod tests {
         let stream = format!("{role}\n\n{token}\n\n{USAGE}\n\ndata: [DONE]\n\n");
         let mut out = Vec::new();
         for chunk in stream.as_bytes().chunks(7) {
-            if let Some(b) = tap.feed(chunk, &h) {
+            if let Some(b) = tap.feed(&Bytes::copy_from_slice(chunk), &h) {
                 out.extend_from_slice(&b);
             }
         }
@@ -210,7 +244,7 @@ mod tests {
         ] {
             let mut tap = SseTap::default();
             let out = tap
-                .feed(format!("{USAGE}\n\n").as_bytes(), &hits(mode))
+                .feed(&Bytes::from(format!("{USAGE}\n\n")), &hits(mode))
                 .unwrap();
             let v: Value =
                 serde_json::from_str(std::str::from_utf8(&out).unwrap()[6..].trim()).unwrap();
@@ -236,13 +270,17 @@ mod tests {
         let mut tap = SseTap::default();
         let h = hits(HitSignals::Exact);
         tap.feed(
-            b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: {\"cho",
+            &Bytes::from_static(
+                b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: {\"cho",
+            ),
             &h,
         );
         assert!(!tap.done && tap.has_partial());
         let mut tap = SseTap::default();
         tap.feed(
-            b"data: {\"error\":{\"message\":\"engine stopped\",\"type\":\"x\"}}\n\n",
+            &Bytes::from_static(
+                b"data: {\"error\":{\"message\":\"engine stopped\",\"type\":\"x\"}}\n\n",
+            ),
             &h,
         );
         assert!(tap.saw_error && !tap.done);
