@@ -8,18 +8,22 @@
 #   small    `hey -n $N_SMALL -c 16`, non-streaming chat, 1 token: req/s, p99, CPU per request;
 #   c1       `hey -n $N_C1 -c 1`, the same small request: p99 added over calling the replica.
 # Prints one line per (round, case, target) and a markdown table of medians to stdout.
-#   loadtest/proxy_cost.sh [--bin PATH] [--rounds N] [--perf DIR]
+#   loadtest/proxy_cost.sh [--bin PATH] [--baseline-bin PATH] [--rounds N] [--perf DIR]
+# --baseline-bin adds a second gateway, `kvgate_base`, from another build (an earlier commit),
+# measured in the same rounds: before and after in one run.
 # --perf DIR also records `perf record -g` of the gateway during one extra streaming and one
 # extra small run, and writes the top frames to DIR/{stream,small}-top.txt.
 # Needs nginx and hey (Debian packages). Loopback only; every process is stopped at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=target/release/kvgate
+base_bin=
 rounds=3
 perf_dir=
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
+    --baseline-bin) base_bin=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --perf) perf_dir=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -65,6 +69,18 @@ gw_pid=$!
 pids+=("$gw_pid")
 until curl -sf "127.0.0.1:$gport/health" >/dev/null; do sleep 0.2; done
 
+targets=(direct nginx kvgate)
+if [ -n "$base_bin" ]; then
+  bport=$(free_port)
+  sed -e "s/127.0.0.1:$gport/127.0.0.1:$bport/" -e "s/^admin_listen = .*/admin_listen = \"127.0.0.1:$(free_port)\"/" \
+    "$work/gateway.toml" >"$work/gateway-base.toml"
+  "$base_bin" gateway --config "$work/gateway-base.toml" >"$work/gateway-base.log" 2>&1 &
+  base_pid=$!
+  pids+=("$base_pid")
+  until curl -sf "127.0.0.1:$bport/health" >/dev/null; do sleep 0.2; done
+  targets+=(kvgate_base)
+fi
+
 nport=$(free_port)
 cat >"$work/nginx.conf" <<NGINX
 worker_processes 1;
@@ -108,6 +124,7 @@ pids_of() { # target -> the processes whose CPU is the proxy's
     direct) echo ;;
     nginx) echo "$nginx_master $(pgrep -P "$nginx_master" | tr '\n' ' ')" ;;
     kvgate) echo "$gw_pid" ;;
+    kvgate_base) echo "$base_pid" ;;
   esac
 }
 url_of() {
@@ -115,6 +132,7 @@ url_of() {
     direct) echo "http://127.0.0.1:$rport" ;;
     nginx) echo "http://127.0.0.1:$nport" ;;
     kvgate) echo "http://127.0.0.1:$gport" ;;
+    kvgate_base) echo "http://127.0.0.1:$bport" ;;
   esac
 }
 hz=$(getconf CLK_TCK)
@@ -153,14 +171,14 @@ PY
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); nginx $(nginx -v 2>&1 | cut -d/ -f2); kvgate $("$bin" --version 2>/dev/null | awk '{print $2}') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "warm-up"
-for t in direct nginx kvgate; do
+for t in "${targets[@]}"; do
   hey -n 200 -c 4 -m POST -T application/json -d "$small_body" "$(url_of $t)/v1/chat/completions" >/dev/null
   hey -n 32 -c 8 -m POST -T application/json -d "$stream_body" "$(url_of $t)/v1/chat/completions" >/dev/null
 done
 for round in $(seq 1 "$rounds"); do
   # Rotate the order each round so no target always runs first.
-  order=(direct nginx kvgate)
-  shift_by=$(((round - 1) % 3))
+  order=("${targets[@]}")
+  shift_by=$(((round - 1) % ${#targets[@]}))
   order=("${order[@]:$shift_by}" "${order[@]:0:$shift_by}")
   for t in "${order[@]}"; do measure "$round" stream "$t" "$N_STREAM" 16 "$stream_body"; done
   for t in "${order[@]}"; do measure "$round" small "$t" "$N_SMALL" 16 "$small_body"; done
@@ -174,16 +192,17 @@ groups = [
     ("kernel: network and system calls", r"\[k\] .*(tcp|ip_|skb|sock|net_|dev_|sys_|syscall|sendmsg|recvmsg|writev|napi|softirq|epoll|ep_)"),
     ("kernel: scheduling and wake-ups", r"\[k\] .*(sched|task_switch|futex|wake|spin|irq|schedule|rcu|timer|hrtimer|clock)"),
     ("kernel: other", r"\[k\] "),
-    ("allocator", r"(malloc|free|_mi_|mi_|realloc|alloc::|__rdl_|__rust_alloc|__rust_dealloc|memmove|memcpy|memset)"),
+    ("allocator and copies", r"(malloc|free|_mi_|mi_|realloc|alloc::|__rdl_|__rust_alloc|__rust_dealloc|memmove|memcpy|memset)"),
     ("chat template (minijinja)", r"minijinja"),
     ("tokeniser (tokenizers, regex)", r"(tokenizers|fancy_regex|regex|aho_corasick|onig|unicode)"),
     ("JSON (serde_json)", r"serde"),
-    ("block hashing (xxh3)", r"xxh"),
+    ("SSE event scanning (memchr)", r"memchr"),
     ("HTTP: pingora", r"pingora"),
-    ("HTTP: hyper client", r"(hyper|h2::|httparse|http::)"),
-    ("async runtime (tokio, mio)", r"(tokio|mio::|futures)"),
+    ("HTTP: hyper client and its buffers", r"(hyper|h2::|httparse|http::|bytes::)"),
+    ("async runtime (tokio, mio, wakers)", r"(tokio|mio::|futures|atomic_waker|crossbeam|epoll_wait)"),
+    ("clock reads", r"(clock_gettime|Timespec|Instant)"),
     ("metrics", r"metrics"),
-    ("gateway and policies", r"(gateway::|policies::|protocol::|config::)"),
+    ("gateway, policies, protocol", r"(gateway::|policies::|protocol::|config::|xxh)"),
     ("other", r"."),
 ]
 totals = {g: 0.0 for g, _ in groups}
@@ -201,19 +220,24 @@ for g, _ in groups:
 '
 if [ -n "$perf_dir" ]; then
   mkdir -p "$perf_dir"
-  for case in stream small; do
-    if [ "$case" = stream ]; then body=$stream_body n=$N_STREAM; else body=$small_body n=$N_SMALL; fi
-    perf record -F 999 -g -p "$gw_pid" -o "$work/perf-$case.data" >"$work/perf-$case.log" 2>&1 &
-    perf_pid=$!
-    sleep 0.5
-    hey -n "$((n * 3))" -c 16 -m POST -T application/json -d "$body" "http://127.0.0.1:$gport/v1/chat/completions" >/dev/null
-    kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
-    { perf report -i "$work/perf-$case.data" --no-children --sort symbol --stdio -g none 2>&1 |
-      grep -E '^ +[0-9.]+%' | sed 's/  *- *- *$//' | head -40 || cat "$work/perf-$case.log"; } >"$perf_dir/$case-top.txt"
-    cp "$work/perf-$case.data" "$perf_dir/$case.perf.data"
-    perf report -i "$work/perf-$case.data" --no-children --sort symbol --stdio -g none 2>/dev/null |
-      python3 -c "$categorise" >"$perf_dir/$case-categories.txt" || true
-    echo "profile: $perf_dir/$case-top.txt"
+  for target in "${targets[@]}"; do
+    case $target in kvgate | kvgate_base) ;; *) continue ;; esac
+    pid=$(pids_of "$target")
+    for case in stream small; do
+      if [ "$case" = stream ]; then body=$stream_body n=$N_STREAM; else body=$small_body n=$N_SMALL; fi
+      name=$case-$target
+      perf record -F 999 -g -p "$pid" -o "$work/$name.perf" >"$work/$name.perf.log" 2>&1 &
+      perf_pid=$!
+      sleep 0.5
+      hey -n "$n" -c 16 -m POST -T application/json -d "$body" "$(url_of "$target")/v1/chat/completions" >/dev/null
+      kill -INT "$perf_pid"
+      wait "$perf_pid" 2>/dev/null || true
+      { perf report -i "$work/$name.perf" --no-children --sort symbol --stdio -g none 2>&1 |
+        grep -E '^ +[0-9.]+%' | sed 's/  *- *- *$//' | head -40 || cat "$work/$name.perf.log"; } >"$perf_dir/$name-top.txt"
+      perf report -i "$work/$name.perf" --no-children --sort symbol --stdio -g none 2>/dev/null |
+        python3 -c "$categorise" >"$perf_dir/$name-categories.txt" || true
+      echo "profile: $perf_dir/$name-top.txt, $perf_dir/$name-categories.txt"
+    done
   done
 fi
 
@@ -234,7 +258,7 @@ print()
 print("| case | target | req/s | p99 ms | proxy CPU µs per streamed token | proxy CPU µs per request | req/s ÷ nginx | CPU ÷ nginx |")
 print("|---|---|---:|---:|---:|---:|---:|---:|")
 for case in ["stream", "small", "c1"]:
-    for target in ["direct", "nginx", "kvgate"]:
+    for target in [t for t in ["direct", "nginx", "kvgate_base", "kvgate"] if any(r["target"] == t for r in rows)]:
         rps = cell(case, target, "rps")
         p99 = cell(case, target, "p99_ms")
         tok = cell(case, target, "cpu_us_per_token") if case == "stream" else (None, None, None)
@@ -251,8 +275,10 @@ for case in ["stream", "small", "c1"]:
         cpu_key = "cpu_us_per_token" if case == "stream" else "cpu_us_per_request" if case == "small" else None
         cpu_ratio = ratio(cpu_key) if cpu_key and target != "direct" else (None, None, None)
         print(f"| {case} | {target} | {fmt(rps, 0)} | {fmt(p99)} | {fmt(tok, 2)} | {fmt(req, 1)} | {fmt(ratio('rps'), 2)} | {fmt(cpu_ratio, 2)} |")
-c1 = {t: cell("c1", t, "p99_ms")[0] for t in ["direct", "nginx", "kvgate"]}
+targets = [t for t in ["direct", "nginx", "kvgate_base", "kvgate"] if any(r["target"] == t for r in rows)]
+c1 = {t: cell("c1", t, "p99_ms")[0] for t in targets}
 if all(c1.values()):
     print()
-    print(f"c=1 p99 added over direct (medians): nginx {c1['nginx'] - c1['direct']:+.2f} ms, kvgate {c1['kvgate'] - c1['direct']:+.2f} ms")
+    added = ", ".join(f"{t} {c1[t] - c1['direct']:+.2f} ms" for t in targets if t != "direct")
+    print(f"c=1 p99 added over direct (medians): {added}")
 PY
