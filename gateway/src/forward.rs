@@ -435,13 +435,18 @@ impl GatewayState {
         stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
         let mut output_tokens = 1;
         if status == 200 {
-            if let Ok(mut v) = serde_json::from_slice::<Value>(&body) {
-                rec.cached_tokens = ctx.hits.rewrite_usage(&mut v);
-                output_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(1);
-                if ctx.hits.shown_tokens(rec.cached_tokens.unwrap_or(0))
-                    != rec.cached_tokens.unwrap_or(0)
-                {
-                    body = Bytes::from(v.to_string());
+            // Only the usage is read (the rest of the answer is skipped, not built); the
+            // answer is re-serialised only when the hit policy changes what it says.
+            if let Ok(a) = serde_json::from_slice::<AnswerUsage>(&body) {
+                let usage = a.usage.unwrap_or_default();
+                output_tokens = usage.completion_tokens.unwrap_or(1);
+                let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+                rec.cached_tokens = cached;
+                if let Some(c) = cached.filter(|&c| ctx.hits.shown_tokens(c) != c) {
+                    if let Ok(mut v) = serde_json::from_slice::<Value>(&body) {
+                        ctx.hits.rewrite_usage(&mut v);
+                        body = Bytes::from(v.to_string());
+                    }
                 }
             }
         }
@@ -710,6 +715,23 @@ async fn drain_ready(
         n += 1;
     }
     (joined.map(bytes::BytesMut::freeze).or(next), n, None)
+}
+
+/// What an unstreamed answer says about its usage (every other field is skipped).
+#[derive(serde::Deserialize)]
+struct AnswerUsage {
+    usage: Option<Usage>,
+}
+
+#[derive(serde::Deserialize, Default)]
+struct Usage {
+    completion_tokens: Option<u64>,
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(serde::Deserialize)]
+struct PromptDetails {
+    cached_tokens: Option<u64>,
 }
 
 fn rt_slo(ctx: &RelayCtx<'_>) -> crate::admission::Slo {
