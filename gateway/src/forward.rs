@@ -442,7 +442,7 @@ impl GatewayState {
                 output_tokens = usage.completion_tokens.unwrap_or(1);
                 let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
                 rec.cached_tokens = cached;
-                if let Some(c) = cached.filter(|&c| ctx.hits.shown_tokens(c) != c) {
+                if cached.is_some_and(|c| ctx.hits.shown_tokens(c) != c) {
                     if let Ok(mut v) = serde_json::from_slice::<Value>(&body) {
                         ctx.hits.rewrite_usage(&mut v);
                         body = Bytes::from(v.to_string());
