@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The project's one test command: fetches the default model files (checksummed, idempotent),
-# makes sure the openai Python SDK is there for the end-to-end SDK test, builds the binary the
-# process-level tests start, runs every test in the workspace and closes with one summary line.
+# makes sure the Python packages the end-to-end tests use are there (the openai SDK; pyzmq and
+# msgspec for the KV event publisher), builds the binary the process-level tests start, runs
+# every test in the workspace and closes with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/fetch-models.sh
 if ! python3 -c 'import openai' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check openai
+fi
+# pyzmq and msgspec for the vLLM-format KV event publisher (tests/python).
+if ! python3 -c 'import zmq, msgspec' 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check pyzmq msgspec
 fi
 
 # The alert rules must load in Prometheus (promtool comes with Debian's `prometheus`).

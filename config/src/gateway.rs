@@ -269,6 +269,10 @@ pub struct GatewayConfig {
     /// Fleet membership from DNS: one replica per address a name resolves to.
     #[serde(default)]
     pub discovery: DiscoveryConfig,
+    /// Replicas given as tables in `replicas` (`{ addr, backend, kv_events, kv_replay }`):
+    /// their engine and where it publishes KV events. The table's `addr` is in `replicas`.
+    #[serde(skip)]
+    pub engines: Vec<EngineSpec>,
     #[serde(default = "default_session_header")]
     pub session_header: String,
     #[serde(default)]
@@ -300,6 +304,61 @@ pub struct GatewayConfig {
     /// when it changes.
     #[serde(skip)]
     pub config_path: Option<std::path::PathBuf>,
+}
+
+/// The engine behind a replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// A kvgate replica: `/get_load`, KV events over HTTP (`/kv_events`).
+    #[default]
+    Kvgate,
+    /// vLLM: KV events over ZMQ when `kv_events` is given.
+    Vllm,
+    /// SGLang: KV events over ZMQ when `kv_events` is given.
+    Sglang,
+}
+
+/// A replica given as a table in `replicas`:
+/// `{ addr = "10.0.0.5:8000", backend = "vllm", kv_events = "tcp://10.0.0.5:5557",
+///    kv_replay = "tcp://10.0.0.5:5558" }`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSpec {
+    pub addr: String,
+    #[serde(default)]
+    pub backend: Backend,
+    /// The engine's ZMQ PUB endpoint (`tcp://host:port`).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its replay (ROUTER) endpoint, used to fill a gap in the sequence.
+    #[serde(default)]
+    pub kv_replay: Option<String>,
+}
+
+/// Replaces every table in `replicas` by its `addr` and returns the tables, so the rest of the
+/// configuration sees a list of addresses.
+fn split_engine_tables(table: &mut toml::Table) -> Result<Vec<EngineSpec>, ConfigError> {
+    let Some(toml::Value::Array(list)) = table.get_mut("replicas") else {
+        return Ok(Vec::new());
+    };
+    let mut specs = Vec::new();
+    for (i, item) in list.iter_mut().enumerate() {
+        if let toml::Value::Table(t) = item {
+            let mut spec: EngineSpec = toml::Value::Table(t.clone())
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse(format!("replicas[{i}]: {e}")))?;
+            spec.addr = normalize_replica(&spec.addr);
+            *item = toml::Value::String(spec.addr.clone());
+            specs.push(spec);
+        }
+    }
+    Ok(specs)
+}
+
+/// `tcp://host:port`.
+fn is_zmq_tcp(endpoint: &str) -> bool {
+    endpoint.strip_prefix("tcp://").is_some_and(is_host_port)
 }
 
 /// `[discovery]`: replicas found by resolving names. Every A/AAAA record of `name:port` is one
@@ -430,6 +489,7 @@ impl GatewayConfig {
             admin_listen: default_admin_listen(),
             replicas: replicas.iter().map(|r| normalize_replica(r)).collect(),
             discovery: DiscoveryConfig::default(),
+            engines: Vec::new(),
             session_header: default_session_header(),
             model: ModelConfig::default(),
             health: HealthConfig::default(),
@@ -446,8 +506,13 @@ impl GatewayConfig {
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let mut c: GatewayConfig =
+        let mut table: toml::Table =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let engines = split_engine_tables(&mut table)?;
+        let mut c: GatewayConfig = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse(e.to_string()))?;
+        c.engines = engines;
         c.normalize_replicas();
         c.validate()?;
         Ok(c)
@@ -480,6 +545,30 @@ impl GatewayConfig {
         }
         if self.discovery.dns.is_empty() || !self.replicas.is_empty() {
             check_replicas(&self.replicas, &mut v);
+        }
+        for e in &self.engines {
+            for (field, endpoint) in [("kv_events", &e.kv_events), ("kv_replay", &e.kv_replay)] {
+                if let Some(ep) = endpoint {
+                    v.check(
+                        is_zmq_tcp(ep),
+                        &format!("replicas[{}].{field}", e.addr),
+                        format!("{ep:?}"),
+                        "must be tcp://host:port, the engine's ZMQ endpoint",
+                    );
+                }
+            }
+            v.check(
+                e.kv_replay.is_none() || e.kv_events.is_some(),
+                &format!("replicas[{}].kv_replay", e.addr),
+                "set",
+                "needs kv_events (the replay socket only fills gaps in that stream)",
+            );
+            v.check(
+                e.kv_events.is_none() || e.backend != Backend::Kvgate,
+                &format!("replicas[{}].kv_events", e.addr),
+                "set",
+                "kvgate replicas publish over HTTP; set backend = \"vllm\" or \"sglang\" for a ZMQ endpoint",
+            );
         }
         for (i, name) in self.discovery.dns.iter().enumerate() {
             v.check(
@@ -746,5 +835,34 @@ mod tests {
         assert!(e.contains("discovery.every_s"), "{e}");
         let e = GatewayConfig::from_toml("").unwrap_err().to_string();
         assert!(e.contains("or name them through discovery.dns"), "{e}");
+    }
+
+    #[test]
+    fn replicas_may_be_tables_naming_their_engine() {
+        let c = GatewayConfig::from_toml(
+            r#"replicas = ["127.0.0.1:8001", { addr = "http://10.0.0.5:8000/", backend = "vllm", kv_events = "tcp://10.0.0.5:5557", kv_replay = "tcp://10.0.0.5:5558" }]"#,
+        )
+        .unwrap();
+        assert_eq!(c.replicas, ["127.0.0.1:8001", "10.0.0.5:8000"]);
+        assert_eq!(c.engines.len(), 1);
+        assert_eq!(c.engines[0].addr, "10.0.0.5:8000");
+        assert_eq!(c.engines[0].backend, Backend::Vllm);
+        assert_eq!(
+            c.engines[0].kv_replay.as_deref(),
+            Some("tcp://10.0.0.5:5558")
+        );
+        let e = GatewayConfig::from_toml(
+            r#"replicas = [{ addr = "a:1", backend = "vllm", kv_events = "10.0.0.5:5557" }, { addr = "b:1", kv_events = "tcp://b:2" }, { addr = "c:1", backend = "trt" }]"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("replicas[2]"), "{e}");
+        let e = GatewayConfig::from_toml(
+            r#"replicas = [{ addr = "a:1", backend = "vllm", kv_events = "10.0.0.5:5557" }, { addr = "b:1", kv_events = "tcp://b:2" }]"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("must be tcp://host:port"), "{e}");
+        assert!(e.contains("kvgate replicas publish over HTTP"), "{e}");
     }
 }

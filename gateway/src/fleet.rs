@@ -28,6 +28,7 @@ impl GatewayState {
         let result = config::GatewayConfig::from_toml(&text)
             .map_err(|e| format!("{}: {e}", path.display()))
             .and_then(|cfg| {
+                self.router.registry.set_engines(&cfg.engines);
                 if self.discovery.names() != cfg.discovery.dns {
                     self.discovery.set_names(cfg.discovery.dns.clone());
                 }

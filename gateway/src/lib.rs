@@ -12,6 +12,7 @@ pub mod body;
 pub mod conn;
 pub mod discovery;
 pub mod dispatch;
+pub mod engine_events;
 pub mod explain;
 pub mod fleet;
 pub mod forward;
@@ -29,5 +30,6 @@ pub mod router;
 pub mod server;
 pub mod state;
 pub mod write_buffer;
+pub mod zmq_events;
 
 pub use server::{build_gateway, GatewayServer};

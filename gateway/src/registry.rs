@@ -17,6 +17,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use config::gateway::{Backend, EngineSpec};
 use config::GatewayConfig;
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -28,8 +29,10 @@ use protocol::kv_events::FrameDecoder;
 use arc_swap::ArcSwap;
 
 use crate::admission::LatencyModel;
+use crate::engine_events::HashTranslator;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
+use crate::zmq_events::{self, EventSink, ZmqSource};
 
 pub type HttpClient = Client<HttpConnector, http_body_util::Full<Bytes>>;
 
@@ -68,6 +71,8 @@ pub struct ReplicaHandle {
     running: AtomicU32,
     kv_usage_bits: AtomicU64,
     events_live: AtomicBool,
+    /// Why an engine's events cannot be indexed (a block size the gateway does not hash with).
+    events_error: parking_lot::Mutex<Option<String>>,
     /// The event stream was refused for want of a token (warned once).
     events_refused: AtomicBool,
     /// Requests this gateway saw finish at the replica, and how many had finished when the
@@ -119,6 +124,7 @@ impl ReplicaHandle {
             running: AtomicU32::new(0),
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
             events_live: AtomicBool::new(false),
+            events_error: parking_lot::Mutex::new(None),
             events_refused: AtomicBool::new(false),
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
@@ -186,6 +192,11 @@ impl ReplicaHandle {
         self.events_live.load(Ordering::Relaxed)
     }
 
+    /// Why its KV events cannot be indexed, if they cannot.
+    pub fn events_error(&self) -> Option<String> {
+        self.events_error.lock().clone()
+    }
+
     pub fn load(&self) -> LoadSignal {
         let stale =
             self.finished.load(Ordering::Relaxed) != self.finished_at_poll.load(Ordering::Relaxed);
@@ -195,6 +206,25 @@ impl ReplicaHandle {
             waiting: reported(&self.waiting),
             running: reported(&self.running),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+impl EventSink for ReplicaHandle {
+    fn set_live(&self, live: bool) {
+        self.events_live.store(live, Ordering::Relaxed);
+    }
+
+    fn set_error(&self, error: Option<String>) {
+        let mut e = self.events_error.lock();
+        if *e != error {
+            match &error {
+                Some(msg) => {
+                    tracing::error!(replica = %self.name, error = %msg, "KV events cannot be indexed")
+                }
+                None => tracing::info!(replica = %self.name, "KV events are indexed again"),
+            }
+            *e = error;
         }
     }
 }
@@ -275,6 +305,8 @@ pub struct Registry {
     epoch: Instant,
     /// `Authorization` sent with every request to a replica (the fleet token).
     fleet_auth: Option<http::HeaderValue>,
+    /// Replicas whose engine is not kvgate, or that publish KV events over ZMQ, by address.
+    engines: RwLock<std::collections::HashMap<String, EngineSpec>>,
 }
 
 impl Registry {
@@ -297,6 +329,12 @@ impl Registry {
             .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone(), metrics.clone())))
             .collect();
         Registry {
+            engines: RwLock::new(
+                cfg.engines
+                    .iter()
+                    .map(|e| (e.addr.clone(), e.clone()))
+                    .collect(),
+            ),
             fleet_auth,
             replicas: ArcSwap::from_pointee(replicas),
             metrics,
@@ -305,6 +343,16 @@ impl Registry {
             client,
             epoch: Instant::now(),
         }
+    }
+
+    /// Adopts the engine tables of a reloaded file (for replicas that join from now on).
+    pub fn set_engines(&self, specs: &[EngineSpec]) {
+        *self.engines.write() = specs.iter().map(|e| (e.addr.clone(), e.clone())).collect();
+    }
+
+    /// The engine behind `name`, when the file names one.
+    pub fn engine(&self, name: &str) -> Option<EngineSpec> {
+        self.engines.read().get(name).cloned()
     }
 
     /// Every slot's replica (retired ones included; check [`ReplicaHandle::is_retired`]).
@@ -794,7 +842,29 @@ impl Registry {
             let (me, rep) = (me.clone(), rep.clone());
             async move { me.poll_load(&rep).await }
         }));
-        if self.cfg.index.kv_events {
+        let spec = self.engine(&r.name);
+        if let Some(events) = spec.as_ref().and_then(|s| s.kv_events.clone()) {
+            let source = ZmqSource {
+                events,
+                replay: spec.as_ref().and_then(|s| s.kv_replay.clone()),
+            };
+            let (index, rep) = (self.index.clone(), r.clone());
+            let (model, block_size) = (self.cfg.model.name.clone(), self.cfg.model.block_size);
+            tasks.push(tokio::spawn(async move {
+                let mut translator = HashTranslator::new(&model, block_size);
+                loop {
+                    let outcome =
+                        zmq_events::follow(&source, rep.slot, &index, &mut translator, &*rep).await;
+                    if rep.events_live.swap(false, Ordering::Relaxed) {
+                        tracing::info!(replica = %rep.name, reason = ?outcome, "ZMQ KV event stream lost; resyncing");
+                    }
+                    index.clear_exact(rep.slot);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }));
+        } else if self.cfg.index.kv_events
+            && spec.as_ref().is_none_or(|s| s.backend == Backend::Kvgate)
+        {
             let me = self.clone();
             let rep = r.clone();
             tasks.push(tokio::spawn(async move {

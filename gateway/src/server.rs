@@ -544,6 +544,8 @@ async fn admin_handle(
                         "address": r.addr().map(|a| a.to_string()),
                         "healthy": r.is_healthy(),
                         "kv_events": r.events_live(),
+                        "backend": reg.engine(&r.name).map_or(config::gateway::Backend::Kvgate, |e| e.backend),
+                        "kv_events_error": r.events_error(),
                         "in_flight": l.in_flight,
                         "waiting": l.waiting,
                         "running": l.running,

@@ -3,8 +3,11 @@
 //! (a third element, the data-parallel rank, only when set) and each event is an array whose
 //! first element is its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids,
 //! block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
-//! `["AllBlocksCleared"]`. The decoder accepts vLLM's batches too, including trailing fields it
-//! does not know and block hashes sent as bytes (folded to a u64 with xxh3).
+//! `["AllBlocksCleared"]`. The decoder accepts vLLM's and SGLang's batches too: that array
+//! layout (SGLang; vLLM as its example subscriber shows it), the map layout of vLLM's main branch
+//! (commit 0181ea3 read for this: batch and events are
+//! msgpack maps, the event's tag under `"type"`), trailing fields it does not know, and block
+//! hashes sent as bytes (folded to a u64 with xxh3).
 //!
 //! Over HTTP (`GET /kv_events` on a replica) batches travel as frames: an 8-byte big-endian
 //! sequence number, a 4-byte big-endian payload length, then the msgpack payload. The sequence
@@ -94,10 +97,16 @@ impl KvEvent {
         }
     }
 
+    /// An event as an array (`array_like`: the tag first, then the fields in order — SGLang,
+    /// older vLLM, kvgate) or as a map (vLLM's main branch: the tag under `"type"`, fields by
+    /// name).
     fn from_value(v: &Value) -> Result<Self, KvEventError> {
+        if let Some(map) = v.as_map() {
+            return Self::from_map(map);
+        }
         let arr = v
             .as_array()
-            .ok_or(KvEventError::Shape("event is not an array"))?;
+            .ok_or(KvEventError::Shape("event is neither an array nor a map"))?;
         let tag = arr
             .first()
             .and_then(Value::as_str)
@@ -131,6 +140,34 @@ impl KvEvent {
             "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
             other => Err(KvEventError::UnknownTag(other.to_string())),
         }
+    }
+
+    fn from_map(map: &[(Value, Value)]) -> Result<Self, KvEventError> {
+        let get = |name: &str| {
+            map.iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map_or(&Value::Nil, |(_, v)| v)
+        };
+        let tag = get("type")
+            .as_str()
+            .ok_or(KvEventError::Shape("event map has no \"type\" tag"))?;
+        // The array decoder does the field checks: lay the map out in its order.
+        let fields: &[&str] = match tag {
+            "BlockStored" => &[
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+            ],
+            "BlockRemoved" => &["block_hashes", "medium"],
+            "AllBlocksCleared" => &[],
+            other => return Err(KvEventError::UnknownTag(other.to_string())),
+        };
+        let mut arr = vec![Value::from(tag)];
+        arr.extend(fields.iter().map(|f| get(f).clone()));
+        Self::from_value(&Value::Array(arr))
     }
 }
 
@@ -187,9 +224,21 @@ impl KvEventBatch {
         let mut rd = bytes;
         let v =
             rmpv::decode::read_value(&mut rd).map_err(|e| KvEventError::Msgpack(e.to_string()))?;
-        let arr = v
-            .as_array()
-            .ok_or(KvEventError::Shape("batch is not an array"))?;
+        // A batch is `[ts, events, rank]`, or (vLLM's main branch) a map of those names.
+        let arr = match v.as_map() {
+            Some(map) => {
+                let get = |name: &str| {
+                    map.iter()
+                        .find(|(k, _)| k.as_str() == Some(name))
+                        .map_or(Value::Nil, |(_, v)| v.clone())
+                };
+                vec![get("ts"), get("events"), get("data_parallel_rank")]
+            }
+            None => v
+                .as_array()
+                .ok_or(KvEventError::Shape("batch is neither an array nor a map"))?
+                .clone(),
+        };
         let ts = arr
             .first()
             .and_then(|t| t.as_f64().or_else(|| t.as_i64().map(|x| x as f64)))
@@ -309,6 +358,71 @@ mod tests {
         expected.extend_from_slice(b"BlockRemoved");
         expected.extend_from_slice(&[0x91, 0x07, 0xc0]);
         assert_eq!(b.encode(), expected);
+    }
+
+    #[test]
+    fn decodes_the_map_layout_of_newer_vllm() {
+        // msgspec without array_like: the batch and each event are maps, the tag under "type".
+        let m = |pairs: Vec<(&str, Value)>| {
+            Value::Map(
+                pairs
+                    .into_iter()
+                    .map(|(k, v)| (Value::from(k), v))
+                    .collect(),
+            )
+        };
+        let stored = m(vec![
+            ("type", Value::from("BlockStored")),
+            (
+                "block_hashes",
+                Value::Array(vec![Value::Binary(vec![7; 32])]),
+            ),
+            ("parent_block_hash", Value::Nil),
+            (
+                "token_ids",
+                Value::Array((0..16).map(Value::from).collect()),
+            ),
+            ("block_size", Value::from(16)),
+            ("lora_id", Value::Nil),
+            ("medium", Value::from("GPU")),
+            ("lora_name", Value::Nil),
+        ]);
+        let removed = m(vec![
+            ("type", Value::from("BlockRemoved")),
+            ("block_hashes", Value::Array(vec![Value::from(9u64)])),
+            ("medium", Value::from("GPU")),
+        ]);
+        let batch = m(vec![
+            ("ts", Value::from(1.5)),
+            ("events", Value::Array(vec![stored, removed])),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &batch).unwrap();
+        let b = KvEventBatch::decode(&bytes).unwrap();
+        assert_eq!(b.ts, 1.5);
+        assert_eq!(b.data_parallel_rank, None);
+        match &b.events[0] {
+            KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                block_size,
+                medium,
+                ..
+            } => {
+                assert_eq!(block_hashes, &[xxhash_rust::xxh3::xxh3_64(&[7; 32])]);
+                assert_eq!(token_ids.len(), 16);
+                assert_eq!(*block_size, 16);
+                assert_eq!(medium.as_deref(), Some("GPU"));
+            }
+            e => panic!("{e:?}"),
+        }
+        assert_eq!(
+            b.events[1],
+            KvEvent::BlockRemoved {
+                block_hashes: vec![9],
+                medium: Some("GPU".into())
+            }
+        );
     }
 
     #[test]

@@ -1,0 +1,258 @@
+//! KV events from engines that hash blocks their own way (vLLM: sha256, sha256_cbor, Python's
+//! seeded `hash`; SGLang: its own): the gateway rebuilds its own chained hash for every stored
+//! block from the block's tokens and its parent's hash, and keeps a map from the engine's hash
+//! to its own, so `BlockRemoved` and later parents find the block whatever the engine's hash
+//! function. The translated events are what the prefix index applies.
+//!
+//! - A block's root: the model's root hash, or, for a LoRA adapter (`lora_id`), a root of its
+//!   own — adapters do not share KV, so their blocks never match a base-model prompt.
+//! - Only GPU-resident blocks (`medium` absent or `"GPU"`) are indexed: a block offloaded to
+//!   CPU is not counted as a hit (it is cheaper than a miss, but the index has no weight for it
+//!   yet); its mapping is kept so that blocks chained on it are still understood.
+//! - A stored block whose parent the gateway never saw (it joined after the parent was stored,
+//!   or missed it) cannot be placed in the chain: it is skipped and counted.
+//! - A block size other than the gateway's is an error the caller reports: the hashes could
+//!   never agree.
+
+use std::collections::HashMap;
+
+use protocol::hashing::{block_hash, root_hash};
+use protocol::kv_events::KvEvent;
+
+/// The medium vLLM reports for blocks in GPU memory.
+pub const MEDIUM_GPU: &str = "GPU";
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TranslateError {
+    #[error("the engine stores blocks of {got} tokens; the gateway hashes blocks of {want} (set model.block_size to match)")]
+    BlockSize { got: u32, want: usize },
+    #[error("a stored event carries {tokens} tokens for {blocks} blocks of {block_size}")]
+    Tokens {
+        tokens: usize,
+        blocks: usize,
+        block_size: u32,
+    },
+}
+
+/// One engine's hash map: engine hash → (gateway hash, resident on the GPU).
+#[derive(Debug)]
+pub struct HashTranslator {
+    model: String,
+    block_size: usize,
+    map: HashMap<u64, (u64, bool)>,
+    /// Stored blocks skipped because their parent was unknown.
+    pub orphans: u64,
+}
+
+fn on_gpu(medium: &Option<String>) -> bool {
+    medium
+        .as_deref()
+        .is_none_or(|m| m.eq_ignore_ascii_case(MEDIUM_GPU))
+}
+
+impl HashTranslator {
+    pub fn new(model: &str, block_size: usize) -> Self {
+        HashTranslator {
+            model: model.to_string(),
+            block_size,
+            map: HashMap::new(),
+            orphans: 0,
+        }
+    }
+
+    /// Blocks the gateway can name now.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Forgets everything (the engine cleared its cache, restarted, or events were lost).
+    pub fn clear(&mut self) {
+        self.map.clear();
+    }
+
+    fn root(&self, lora_id: Option<u64>) -> u64 {
+        match lora_id {
+            None => root_hash(&self.model, None, None),
+            Some(id) => root_hash(&self.model, Some(&format!("engine-lora-id:{id}")), None),
+        }
+    }
+
+    /// The gateway's version of `ev` for the index (`None`: nothing to apply).
+    pub fn translate(&mut self, ev: &KvEvent) -> Result<Option<KvEvent>, TranslateError> {
+        match ev {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+            } => {
+                if *block_size as usize != self.block_size {
+                    return Err(TranslateError::BlockSize {
+                        got: *block_size,
+                        want: self.block_size,
+                    });
+                }
+                let bs = self.block_size;
+                if token_ids.len() != block_hashes.len() * bs {
+                    return Err(TranslateError::Tokens {
+                        tokens: token_ids.len(),
+                        blocks: block_hashes.len(),
+                        block_size: *block_size,
+                    });
+                }
+                let mut parent = match parent_block_hash {
+                    None => self.root(*lora_id),
+                    Some(p) => match self.map.get(p) {
+                        Some(&(ours, _)) => ours,
+                        None => {
+                            self.orphans += block_hashes.len() as u64;
+                            return Ok(None);
+                        }
+                    },
+                };
+                let gpu = on_gpu(medium);
+                let mut ours = Vec::with_capacity(block_hashes.len());
+                for (i, engine) in block_hashes.iter().enumerate() {
+                    let h = block_hash(parent, &token_ids[i * bs..(i + 1) * bs]);
+                    // A block kept on the GPU and offloaded too stays indexed.
+                    let entry = self.map.entry(*engine).or_insert((h, false));
+                    entry.0 = h;
+                    entry.1 |= gpu;
+                    if gpu {
+                        ours.push(h);
+                    }
+                    parent = h;
+                }
+                Ok((!ours.is_empty()).then(|| KvEvent::BlockStored {
+                    block_hashes: ours,
+                    parent_block_hash: None,
+                    token_ids: Vec::new(),
+                    block_size: *block_size,
+                    lora_id: *lora_id,
+                    medium: Some(MEDIUM_GPU.into()),
+                }))
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                if !on_gpu(medium) {
+                    // Dropped from the offload tier: nothing the index holds changes.
+                    return Ok(None);
+                }
+                let ours: Vec<u64> = block_hashes
+                    .iter()
+                    .filter_map(|h| self.map.remove(h).map(|(ours, _)| ours))
+                    .collect();
+                Ok((!ours.is_empty()).then(|| KvEvent::BlockRemoved {
+                    block_hashes: ours,
+                    medium: Some(MEDIUM_GPU.into()),
+                }))
+            }
+            KvEvent::AllBlocksCleared => {
+                self.map.clear();
+                Ok(Some(KvEvent::AllBlocksCleared))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protocol::hashing::block_hashes;
+
+    fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes,
+            parent_block_hash: parent,
+            token_ids: tokens,
+            block_size: 4,
+            lora_id: None,
+            medium: Some("GPU".into()),
+        }
+    }
+
+    #[test]
+    fn engine_hashes_become_the_gateways_own_chain() {
+        let mut t = HashTranslator::new("m", 4);
+        let tokens: Vec<u32> = (0..12).collect();
+        let want = block_hashes(root_hash("m", None, None), &tokens, 4);
+        // Two events, the second chained on the first by the engine's hash.
+        let a = t.translate(&stored(vec![901, 902], None, tokens[..8].to_vec()));
+        let b = t.translate(&stored(vec![903], Some(902), tokens[8..].to_vec()));
+        let got: Vec<u64> = [a, b]
+            .into_iter()
+            .flat_map(|e| match e.unwrap().unwrap() {
+                KvEvent::BlockStored { block_hashes, .. } => block_hashes,
+                e => panic!("{e:?}"),
+            })
+            .collect();
+        assert_eq!(got, want);
+        // Removal goes through the map; an unknown hash is ignored.
+        let r = t
+            .translate(&KvEvent::BlockRemoved {
+                block_hashes: vec![903, 12345],
+                medium: None,
+            })
+            .unwrap();
+        assert_eq!(
+            r,
+            Some(KvEvent::BlockRemoved {
+                block_hashes: vec![want[2]],
+                medium: Some("GPU".into())
+            })
+        );
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn orphans_lora_offload_and_block_size_are_handled() {
+        let mut t = HashTranslator::new("m", 4);
+        assert_eq!(
+            t.translate(&stored(vec![1], Some(77), vec![0; 4])).unwrap(),
+            None
+        );
+        assert_eq!(t.orphans, 1);
+        // An adapter's blocks hash from another root.
+        let mut lora = stored(vec![2], None, vec![5; 4]);
+        if let KvEvent::BlockStored { lora_id, .. } = &mut lora {
+            *lora_id = Some(3);
+        }
+        let base = block_hash(root_hash("m", None, None), &[5; 4]);
+        match t.translate(&lora).unwrap().unwrap() {
+            KvEvent::BlockStored { block_hashes, .. } => assert_ne!(block_hashes, vec![base]),
+            e => panic!("{e:?}"),
+        }
+        // Offloaded blocks are understood but not indexed.
+        let mut cpu = stored(vec![3], None, vec![6; 4]);
+        if let KvEvent::BlockStored { medium, .. } = &mut cpu {
+            *medium = Some("CPU".into());
+        }
+        assert_eq!(t.translate(&cpu).unwrap(), None);
+        assert!(t
+            .translate(&stored(vec![4], Some(3), vec![7; 4]))
+            .unwrap()
+            .is_some());
+        // A block size the gateway does not hash with is refused.
+        let mut big = stored(vec![5], None, vec![0; 4]);
+        if let KvEvent::BlockStored { block_size, .. } = &mut big {
+            *block_size = 16;
+        }
+        assert!(matches!(
+            t.translate(&big),
+            Err(TranslateError::BlockSize { got: 16, want: 4 })
+        ));
+        assert_eq!(
+            t.translate(&KvEvent::AllBlocksCleared).unwrap(),
+            Some(KvEvent::AllBlocksCleared)
+        );
+        assert!(t.is_empty());
+    }
+}

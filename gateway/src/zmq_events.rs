@@ -1,0 +1,206 @@
+//! KV events over ZMQ, as vLLM and SGLang publish them (`--kv-events-config` with publisher
+//! `zmq`): a PUB socket sends `[topic, sequence (8 bytes, big-endian), msgpack batch]`, and an
+//! optional ROUTER socket replays buffered batches from a sequence number on request
+//! (`[empty, start (8 bytes)]` in, `[empty, seq, batch]`… out, ended by sequence −1 with an
+//! empty payload). The gateway subscribes to every topic, translates each batch into its own
+//! block hashes (`engine_events.rs`) and applies it to the prefix index.
+//!
+//! - A gap in the sequence is filled from the replay socket when there is one; when there is
+//!   none, or the replay cannot fill it, what the index holds for the replica is dropped and
+//!   rebuilt from the events that follow (a stale index would route to blocks long evicted).
+//! - A sequence that goes back (the engine restarted) is the same: start over.
+//! - A block size the gateway does not hash with is a configuration error: named in the log and
+//!   on `/admin/replicas`, and nothing is indexed for the replica until it is fixed.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use protocol::kv_events::KvEventBatch;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::engine_events::{HashTranslator, TranslateError};
+use crate::prefix_index::PrefixIndex;
+
+/// How long a replay may take before the gap is given up on.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the follower reports back to the replica's record.
+pub trait EventSink: Send + Sync {
+    /// The stream is (or is no longer) keeping the index exact.
+    fn set_live(&self, live: bool);
+    /// A configuration error that stops indexing (`None` when it clears).
+    fn set_error(&self, error: Option<String>);
+}
+
+/// Where one engine publishes.
+#[derive(Debug, Clone)]
+pub struct ZmqSource {
+    pub events: String,
+    pub replay: Option<String>,
+}
+
+/// Splits a published message into (sequence, payload).
+fn parts(msg: &ZmqMessage) -> Option<(u64, Bytes)> {
+    // [topic, seq, payload]; a publisher without a topic frame sends [seq, payload].
+    let n = msg.len();
+    if n < 2 {
+        return None;
+    }
+    let seq = msg.get(n - 2)?;
+    let seq = u64::from_be_bytes(seq.as_ref().try_into().ok()?);
+    Some((seq, msg.get(n - 1)?.clone()))
+}
+
+/// Follows one engine's events until the connection fails; the caller retries.
+pub async fn follow(
+    source: &ZmqSource,
+    slot: usize,
+    index: &PrefixIndex,
+    translator: &mut HashTranslator,
+    sink: &dyn EventSink,
+) -> Result<(), String> {
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&source.events)
+        .await
+        .map_err(|e| format!("connect {}: {e}", source.events))?;
+    sub.subscribe("").await.map_err(|e| e.to_string())?;
+    // Nothing is known of the engine's cache until its events say so.
+    index.clear_exact(slot);
+    translator.clear();
+    let mut last: Option<u64> = None;
+    loop {
+        let msg = sub.recv().await.map_err(|e| e.to_string())?;
+        let Some((seq, payload)) = parts(&msg) else {
+            tracing::warn!(endpoint = %source.events, frames = msg.len(), "KV event message of an unknown shape; ignored");
+            continue;
+        };
+        match last {
+            Some(l) if seq <= l => {
+                tracing::info!(endpoint = %source.events, seq, last = l, "the engine's event sequence went back (restart?): starting over");
+                index.clear_exact(slot);
+                translator.clear();
+            }
+            Some(l) if seq > l + 1 => {
+                let filled = match &source.replay {
+                    Some(r) => replay(r, l + 1, seq, slot, index, translator, sink)
+                        .await
+                        .map_err(
+                            |e| tracing::warn!(endpoint = %r, error = %e, "KV event replay failed"),
+                        )
+                        .is_ok(),
+                    None => false,
+                };
+                if !filled {
+                    tracing::warn!(endpoint = %source.events, missing = seq - l - 1, "KV events lost and not replayed: the replica's index starts over");
+                    index.clear_exact(slot);
+                    translator.clear();
+                }
+            }
+            _ => {}
+        }
+        last = Some(seq);
+        apply(&payload, slot, index, translator, sink);
+        sink.set_live(true);
+    }
+}
+
+/// Asks the replay socket for batches `from..until` and applies them.
+async fn replay(
+    endpoint: &str,
+    from: u64,
+    until: u64,
+    slot: usize,
+    index: &PrefixIndex,
+    translator: &mut HashTranslator,
+    sink: &dyn EventSink,
+) -> Result<(), String> {
+    let mut dealer = zeromq::DealerSocket::new();
+    tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let mut req = ZmqMessage::from(Bytes::new());
+    req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
+    dealer.send(req).await.map_err(|e| e.to_string())?;
+    let mut next = from;
+    let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
+    while next < until {
+        let msg = tokio::time::timeout_at(deadline, dealer.recv())
+            .await
+            .map_err(|_| format!("replay stopped at {next} of {until}"))?
+            .map_err(|e| e.to_string())?;
+        let Some((seq, payload)) = parts(&msg) else {
+            continue;
+        };
+        if seq == u64::MAX || payload.is_empty() {
+            break; // end of what the engine still buffers
+        }
+        if seq < next {
+            continue;
+        }
+        if seq > next {
+            return Err(format!("the replay starts at {seq}, {next} was asked for"));
+        }
+        apply(&payload, slot, index, translator, sink);
+        next += 1;
+    }
+    if next < until {
+        return Err(format!(
+            "the engine no longer buffers batches {next}..{until}"
+        ));
+    }
+    Ok(())
+}
+
+/// Decodes, translates and indexes one batch.
+fn apply(
+    payload: &[u8],
+    slot: usize,
+    index: &PrefixIndex,
+    translator: &mut HashTranslator,
+    sink: &dyn EventSink,
+) {
+    let batch = match KvEventBatch::decode(payload) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "undecodable KV event batch; ignored");
+            return;
+        }
+    };
+    let mut stored = false;
+    for ev in &batch.events {
+        match translator.translate(ev) {
+            Ok(Some(ours)) => {
+                stored |= matches!(ours, protocol::kv_events::KvEvent::BlockStored { .. });
+                index.apply(slot, &ours);
+            }
+            Ok(None) => {}
+            Err(e @ TranslateError::BlockSize { .. }) => {
+                sink.set_error(Some(e.to_string()));
+                return;
+            }
+            Err(e) => tracing::warn!(error = %e, "malformed KV event; ignored"),
+        }
+    }
+    if stored {
+        sink.set_error(None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_with_and_without_a_topic_frame() {
+        let seq = 7u64.to_be_bytes().to_vec();
+        let mut m = ZmqMessage::from(Bytes::from_static(b"kv-events"));
+        m.push_back(Bytes::from(seq.clone()));
+        m.push_back(Bytes::from_static(b"payload"));
+        assert_eq!(parts(&m), Some((7, Bytes::from_static(b"payload"))));
+        let mut m = ZmqMessage::from(Bytes::from(seq));
+        m.push_back(Bytes::from_static(b"p"));
+        assert_eq!(parts(&m).map(|p| p.0), Some(7));
+        assert_eq!(parts(&ZmqMessage::from(Bytes::from_static(b"x"))), None);
+    }
+}

@@ -1,0 +1,226 @@
+//! The gateway in front of an engine that publishes KV events over ZMQ in vLLM's wire format:
+//! a Python publisher (pyzmq + msgspec, structs shaped like vLLM's, tests/python) replays a
+//! stream recorded from a simulated vLLM prefix cache (tests/python/make_vllm_stream.py), and
+//! the gateway's matched blocks for every probe prompt must equal the stream's ground truth —
+//! with a batch lost on the way and filled from the replay socket, in both of the layouts
+//! engines use, across a publisher restart. The replica behind the address is a kvgate sim
+//! replica (it answers health checks); its own HTTP events are not followed.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{start_gateway_at, start_replica, Gateway};
+use serde_json::{json, Value};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn stream_file() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/vllm_events.json")
+}
+
+struct Publisher {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Publisher {
+    fn start(pub_ep: &str, replay_ep: &str, stream: &std::path::Path, extra: &[&str]) -> Self {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/vllm_kv_publisher.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .args(["--pub", pub_ep, "--replay", replay_ep])
+            .arg("--stream")
+            .arg(stream)
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 runs the publisher (pyzmq and msgspec come with scripts/test.sh)");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stdin = child.stdin.take();
+        let p = Publisher {
+            child,
+            stdin,
+            lines,
+        };
+        p.expect_line("ready");
+        p
+    }
+
+    fn expect_line(&self, prefix: &str) -> String {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("the publisher never said {prefix:?}"));
+        assert!(line.starts_with(prefix), "publisher said {line:?}");
+        line
+    }
+
+    fn go(&mut self) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
+        self.expect_line("sent");
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn replicas(gw: &Gateway) -> Value {
+    gw.admin_json("/admin/replicas").await
+}
+
+async fn wait_live(gw: &Gateway) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = replicas(gw).await;
+        if v[0]["kv_events"] == true {
+            return;
+        }
+        assert!(Instant::now() < deadline, "events never live: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn matched(gw: &Gateway, prompt: &Value) -> u64 {
+    let e: Value = gw
+        .client
+        .post(format!("{}/admin/route/explain", gw.admin))
+        .json(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    e["replicas"][0]["matched_blocks"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no matched_blocks in {e}"))
+}
+
+/// Polls until every probe's matched blocks equal `want(probe)`, or fails with the difference.
+async fn assert_probes(gw: &Gateway, probes: &[Value], want: impl Fn(&Value) -> u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut got = Vec::new();
+        for p in probes {
+            got.push((matched(gw, &p["prompt"]).await, want(p)));
+        }
+        if got.iter().all(|(g, w)| g == w) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "(matched, ground truth) per probe: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_follows_vllm_events_over_zmq_through_gaps_layouts_and_restarts() {
+    let stream: Value =
+        serde_json::from_str(&std::fs::read_to_string(stream_file()).unwrap()).unwrap();
+    let probes = stream["probes"].as_array().unwrap().clone();
+    assert!(probes
+        .iter()
+        .any(|p| p["expected_blocks"].as_u64() > Some(3)));
+    assert!(probes.iter().any(|p| p["expected_blocks"] == 0));
+    let replica = start_replica(|_| {}).await;
+    for layout in ["map", "array"] {
+        let (pub_ep, replay_ep) = (
+            format!("tcp://127.0.0.1:{}", free_port()),
+            format!("tcp://127.0.0.1:{}", free_port()),
+        );
+        // The map layout loses its 6th batch (a stored conversation) on the way; the replay
+        // socket fills it.
+        let lose: &[&str] = if layout == "map" {
+            &["--drop-batch", "5"]
+        } else {
+            &[]
+        };
+        let mut args = vec!["--layout", layout];
+        args.extend_from_slice(lose);
+        let mut publisher = Publisher::start(&pub_ep, &replay_ep, &stream_file(), &args);
+        let spec = config::gateway::EngineSpec {
+            addr: replica.host_port(),
+            backend: config::gateway::Backend::Vllm,
+            kv_events: Some(pub_ep.clone()),
+            kv_replay: Some(replay_ep.clone()),
+        };
+        let gw = start_gateway_at(&[replica.host_port()], |c| {
+            c.engines = vec![spec];
+            c.index.kv_events = true;
+        })
+        .await;
+        assert_eq!(replicas(&gw).await[0]["backend"], "vllm");
+        wait_live(&gw).await;
+        publisher.go();
+        assert_probes(&gw, &probes, |p| p["expected_blocks"].as_u64().unwrap()).await;
+        // The engine restarts: its sequence starts again at 0 with an empty cache.
+        drop(publisher);
+        let empty = std::env::temp_dir().join(format!("kvgate-empty-{}.json", std::process::id()));
+        std::fs::write(&empty, r#"{"batches": [], "probes": []}"#).unwrap();
+        let mut restarted = Publisher::start(&pub_ep, &replay_ep, &empty, &["--layout", layout]);
+        assert_probes(&gw, &probes, |_| 0).await;
+        restarted.go();
+        assert_eq!(replicas(&gw).await[0]["kv_events_error"], Value::Null);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_size_that_differs_is_named_on_the_admin_api() {
+    let replica = start_replica(|_| {}).await;
+    let (pub_ep, replay_ep) = (
+        format!("tcp://127.0.0.1:{}", free_port()),
+        format!("tcp://127.0.0.1:{}", free_port()),
+    );
+    let mut publisher = Publisher::start(&pub_ep, &replay_ep, &stream_file(), &[]);
+    let spec = config::gateway::EngineSpec {
+        addr: replica.host_port(),
+        backend: config::gateway::Backend::Vllm,
+        kv_events: Some(pub_ep),
+        kv_replay: None,
+    };
+    let gw = start_gateway_at(&[replica.host_port()], |c| {
+        c.engines = vec![spec];
+        c.model.block_size = 32;
+    })
+    .await;
+    wait_live(&gw).await;
+    publisher.go();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = replicas(&gw).await;
+        if let Some(e) = v[0]["kv_events_error"].as_str() {
+            assert!(e.contains("blocks of 16 tokens"), "{e}");
+            assert!(e.contains("hashes blocks of 32"), "{e}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no error named: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
