@@ -13,6 +13,7 @@ pub mod conn;
 pub mod discovery;
 pub mod dispatch;
 pub mod engine_events;
+pub mod engine_metrics;
 pub mod explain;
 pub mod fleet;
 pub mod forward;

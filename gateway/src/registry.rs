@@ -30,6 +30,7 @@ use arc_swap::ArcSwap;
 
 use crate::admission::LatencyModel;
 use crate::engine_events::HashTranslator;
+use crate::engine_metrics::parse_vllm;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
 use crate::zmq_events::{self, EventSink, ZmqSource};
@@ -742,6 +743,26 @@ impl Registry {
         let Some(addr) = r.addr() else { return };
         let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
         let finished_before = r.finished.load(Ordering::Relaxed);
+        if self.engine(&r.name).map(|e| e.backend) == Some(Backend::Vllm) {
+            // vLLM has no /get_load: its scheduler gauges are on /metrics.
+            let Some(l) = self
+                .get(addr, "/metrics", timeout)
+                .await
+                .and_then(|b| parse_vllm(&String::from_utf8_lossy(&b)))
+            else {
+                return;
+            };
+            r.waiting.store(l.waiting, Ordering::Relaxed);
+            r.running.store(l.running, Ordering::Relaxed);
+            r.kv_usage_bits
+                .store(l.kv_usage.to_bits(), Ordering::Relaxed);
+            r.since_poll_tokens.store(0, Ordering::Relaxed);
+            if let Some(p) = l.preemptions {
+                self.note_preemptions(r, p);
+            }
+            r.finished_at_poll.store(finished_before, Ordering::Relaxed);
+            return;
+        }
         let Some(body) = self.get(addr, "/get_load", timeout).await else {
             return;
         };
@@ -765,13 +786,18 @@ impl Registry {
             r.capacity_tokens.store(c, Ordering::Relaxed);
         }
         if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
-            let before = r.preemptions.swap(p, Ordering::Relaxed);
-            if before != u64::MAX && p > before {
-                r.preempted_at_ms
-                    .store(self.now_ms() + 1, Ordering::Relaxed);
-            }
+            self.note_preemptions(r, p);
         }
         r.finished_at_poll.store(finished_before, Ordering::Relaxed);
+    }
+
+    /// A replica's preemption counter read `p`: a rise marks it as preempting now.
+    fn note_preemptions(&self, r: &ReplicaHandle, p: u64) {
+        let before = r.preemptions.swap(p, Ordering::Relaxed);
+        if before != u64::MAX && p > before {
+            r.preempted_at_ms
+                .store(self.now_ms() + 1, Ordering::Relaxed);
+        }
     }
 
     /// Follows `r`'s KV event stream until it ends or shows a gap; the index holds exactly what

@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{start_gateway_at, start_replica, Gateway};
+use common::{start_gateway_at, start_replica, FakeMode, FakeReplica, Gateway};
 use serde_json::{json, Value};
 
 fn free_port() -> u16 {
@@ -221,6 +221,49 @@ async fn a_block_size_that_differs_is_named_on_the_admin_api() {
             break;
         }
         assert!(Instant::now() < deadline, "no error named: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A vLLM replica's load comes from its `/metrics` (it has no `/get_load`): running, waiting,
+/// KV usage (the fullest engine's) and preemptions, which hold admission back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_replicas_load_is_read_from_its_metrics() {
+    let fake = FakeReplica::start(FakeMode::Stream { tokens: 2 }).await;
+    *fake.metrics.lock().unwrap() = "# TYPE vllm:num_requests_running gauge\n\
+        vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 5.0\n\
+        vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\n\
+        vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.3\n\
+        vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 1.0\n"
+        .into();
+    let spec = config::gateway::EngineSpec {
+        addr: fake.addr.clone(),
+        backend: config::gateway::Backend::Vllm,
+        kv_events: None,
+        kv_replay: None,
+    };
+    let gw = start_gateway_at(&[fake.addr.clone()], |c| c.engines = vec![spec]).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = replicas(&gw).await;
+        let r = &v[0];
+        if r["running"] == 5 && r["waiting"] == 2 {
+            assert!((r["kv_usage"].as_f64().unwrap() - 0.3).abs() < 1e-9, "{r}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "load never read: {r}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The counter rises: the replica is preempting, which explain names.
+    *fake.metrics.lock().unwrap() =
+        "vllm:num_requests_running 5\nvllm:num_preemptions_total 4\n".into();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = replicas(&gw).await;
+        if v[0]["preempting"] == true {
+            break;
+        }
+        assert!(Instant::now() < deadline, "preemptions never seen: {v}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -337,6 +337,8 @@ pub struct FakeReplica {
     pub addr: String,
     pub bodies: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
     pub mode: std::sync::Arc<std::sync::Mutex<FakeMode>>,
+    /// What `GET /metrics` answers (a vLLM-style page, for instance).
+    pub metrics: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl FakeReplica {
@@ -346,17 +348,18 @@ impl FakeReplica {
         let addr = listener.local_addr().unwrap().to_string();
         let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let mode = std::sync::Arc::new(std::sync::Mutex::new(mode));
-        let (b, m) = (bodies.clone(), mode.clone());
+        let metrics = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (b, m, mt) = (bodies.clone(), mode.clone(), metrics.clone());
         tokio::spawn(async move {
             loop {
                 let Ok((tcp, _)) = listener.accept().await else {
                     continue;
                 };
-                let (b, m) = (b.clone(), m.clone());
+                let (b, m, mt) = (b.clone(), m.clone(), mt.clone());
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(
                         move |req: hyper::Request<hyper::body::Incoming>| {
-                            let (b, m) = (b.clone(), m.clone());
+                            let (b, m, mt) = (b.clone(), m.clone(), mt.clone());
                             async move {
                                 let mode = *m.lock().unwrap();
                                 let path = req.uri().path().to_string();
@@ -378,6 +381,7 @@ impl FakeReplica {
                                     unreachable!()
                                 }
                                 "/health" => hyper::Response::new(full("{}".into())),
+                                "/metrics" => hyper::Response::new(full(mt.lock().unwrap().clone())),
                                 "/v1/models" => hyper::Response::new(full(
                                     r#"{"object":"list","data":[{"id":"Qwen3-8B","object":"model","max_model_len":40960}]}"#.into(),
                                 )),
@@ -428,7 +432,12 @@ impl FakeReplica {
                 });
             }
         });
-        FakeReplica { addr, bodies, mode }
+        FakeReplica {
+            addr,
+            bodies,
+            mode,
+            metrics,
+        }
     }
 
     pub fn set_mode(&self, m: FakeMode) {
