@@ -242,7 +242,7 @@ async fn a_vllm_replicas_load_is_read_from_its_metrics() {
         kv_events: None,
         kv_replay: None,
     };
-    let gw = start_gateway_at(&[fake.addr.clone()], |c| c.engines = vec![spec]).await;
+    let gw = start_gateway_at(std::slice::from_ref(&fake.addr), |c| c.engines = vec![spec]).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let v = replicas(&gw).await;
