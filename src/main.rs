@@ -235,6 +235,13 @@ struct ReplicaArgs {
     /// Require the fleet token on /v1/* too, so clients cannot go around the gateway.
     #[arg(long)]
     restrict_api: bool,
+    /// Also publish KV events over ZMQ in vLLM's wire format on this endpoint
+    /// (e.g. tcp://*:5557), for routers that follow vLLM's events.
+    #[arg(long)]
+    kv_events: Option<String>,
+    /// The replay (ROUTER) endpoint for --kv-events (e.g. tcp://*:5558).
+    #[arg(long)]
+    kv_events_replay: Option<String>,
     /// On SIGTERM: seconds requests in progress may take to finish.
     #[arg(long, default_value_t = 30)]
     drain_timeout_s: u64,
@@ -317,6 +324,8 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     )
     .map_err(|e| anyhow!(e))?;
     cfg.restrict_api = a.restrict_api;
+    cfg.kv_events_zmq = a.kv_events;
+    cfg.kv_events_replay = a.kv_events_replay;
     cfg.drain_timeout = std::time::Duration::from_secs(a.drain_timeout_s);
     if cfg.fleet_token.is_none() {
         tracing::warn!(

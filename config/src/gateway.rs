@@ -310,7 +310,8 @@ pub struct GatewayConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// A kvgate replica: `/get_load`, KV events over HTTP (`/kv_events`).
+    /// A kvgate replica: `/get_load`, KV events over HTTP (`/kv_events`), or over ZMQ when
+    /// `kv_events` is given (`kvgate replica --kv-events`).
     #[default]
     Kvgate,
     /// vLLM: KV events over ZMQ when `kv_events` is given.
@@ -562,12 +563,6 @@ impl GatewayConfig {
                 &format!("replicas[{}].kv_replay", e.addr),
                 "set",
                 "needs kv_events (the replay socket only fills gaps in that stream)",
-            );
-            v.check(
-                e.kv_events.is_none() || e.backend != Backend::Kvgate,
-                &format!("replicas[{}].kv_events", e.addr),
-                "set",
-                "kvgate replicas publish over HTTP; set backend = \"vllm\" or \"sglang\" for a ZMQ endpoint",
             );
         }
         for (i, name) in self.discovery.dns.iter().enumerate() {
@@ -858,11 +853,11 @@ mod tests {
         .to_string();
         assert!(e.contains("replicas[2]"), "{e}");
         let e = GatewayConfig::from_toml(
-            r#"replicas = [{ addr = "a:1", backend = "vllm", kv_events = "10.0.0.5:5557" }, { addr = "b:1", kv_events = "tcp://b:2" }]"#,
+            r#"replicas = [{ addr = "a:1", backend = "vllm", kv_events = "10.0.0.5:5557" }, { addr = "b:1", kv_replay = "tcp://b:2" }]"#,
         )
         .unwrap_err()
         .to_string();
         assert!(e.contains("must be tcp://host:port"), "{e}");
-        assert!(e.contains("kvgate replicas publish over HTTP"), "{e}");
+        assert!(e.contains("needs kv_events"), "{e}");
     }
 }

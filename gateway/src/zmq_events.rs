@@ -75,6 +75,18 @@ pub async fn follow(
             continue;
         };
         match last {
+            None => {
+                // Joining: the replay buffer holds what the engine did before we connected
+                // (as far back as it keeps). Replaying it adds blocks the engine still holds;
+                // what is missing is only a missed hit, never a false one.
+                if let Some(r) = &source.replay {
+                    if let Err(e) =
+                        replay(r, 0, seq, slot, index, translator, sink, Replay::CatchUp).await
+                    {
+                        tracing::info!(endpoint = %r, error = %e, "no KV event history to catch up on");
+                    }
+                }
+            }
             Some(l) if seq <= l => {
                 tracing::info!(endpoint = %source.events, seq, last = l, "the engine's event sequence went back (restart?): starting over");
                 index.clear_exact(slot);
@@ -82,7 +94,7 @@ pub async fn follow(
             }
             Some(l) if seq > l + 1 => {
                 let filled = match &source.replay {
-                    Some(r) => replay(r, l + 1, seq, slot, index, translator, sink)
+                    Some(r) => replay(r, l + 1, seq, slot, index, translator, sink, Replay::Gap)
                         .await
                         .map_err(
                             |e| tracing::warn!(endpoint = %r, error = %e, "KV event replay failed"),
@@ -104,7 +116,17 @@ pub async fn follow(
     }
 }
 
+/// Why batches are replayed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Replay {
+    /// To fill a gap: every batch of it must come back.
+    Gap,
+    /// To learn the history before we joined: whatever the engine still buffers.
+    CatchUp,
+}
+
 /// Asks the replay socket for batches `from..until` and applies them.
+#[allow(clippy::too_many_arguments)]
 async fn replay(
     endpoint: &str,
     from: u64,
@@ -113,6 +135,7 @@ async fn replay(
     index: &PrefixIndex,
     translator: &mut HashTranslator,
     sink: &dyn EventSink,
+    why: Replay,
 ) -> Result<(), String> {
     let mut dealer = zeromq::DealerSocket::new();
     tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint))
@@ -138,13 +161,16 @@ async fn replay(
         if seq < next {
             continue;
         }
-        if seq > next {
+        if seq >= until {
+            break;
+        }
+        if seq > next && why == Replay::Gap {
             return Err(format!("the replay starts at {seq}, {next} was asked for"));
         }
         apply(&payload, slot, index, translator, sink);
-        next += 1;
+        next = seq + 1;
     }
-    if next < until {
+    if next < until && why == Replay::Gap {
         return Err(format!(
             "the engine no longer buffers batches {next}..{until}"
         ));

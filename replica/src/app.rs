@@ -61,6 +61,10 @@ pub struct ReplicaConfig {
     pub threads: Option<usize>,
     /// `cpu` backend: KV cache size when `num_gpu_blocks` is not set.
     pub kv_cache_mib: usize,
+    /// Also publish KV events over ZMQ in vLLM's format (`tcp://*:5557`).
+    pub kv_events_zmq: Option<String>,
+    /// The replay (ROUTER) endpoint for those events.
+    pub kv_events_replay: Option<String>,
 }
 
 impl ReplicaConfig {
@@ -89,6 +93,8 @@ impl ReplicaConfig {
             drain_timeout: Duration::from_secs(30),
             threads: None,
             kv_cache_mib: 512,
+            kv_events_zmq: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -388,6 +394,15 @@ pub async fn build_server(
     };
     let metrics = Arc::new(ReplicaMetrics::new(&cfg.replica_id));
     let hub = Arc::new(KvEventHub::new(cfg.block_size));
+    if let Some(endpoint) = &cfg.kv_events_zmq {
+        crate::zmq_publisher::start(hub.clone(), endpoint, cfg.kv_events_replay.as_deref())
+            .await
+            .map_err(BuildError::Invalid)?;
+    } else if cfg.kv_events_replay.is_some() {
+        return Err(BuildError::Invalid(
+            "--kv-events-replay needs --kv-events".into(),
+        ));
+    }
     let (engine, handle) = Engine::new(
         Scheduler::new(sched_cfg),
         backend,

@@ -27,5 +27,6 @@ pub mod scheduler;
 pub mod server;
 pub mod sim;
 pub mod state;
+pub mod zmq_publisher;
 
 pub use app::{build_server, ReplicaConfig, ReplicaServer};

@@ -267,3 +267,112 @@ async fn a_vllm_replicas_load_is_read_from_its_metrics() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// kvgate replicas publishing over ZMQ (`--kv-events`, vLLM's format) give the gateway the
+/// same index as their HTTP event stream: a gateway following ZMQ and one following HTTP,
+/// in front of the same two replicas, match the same blocks for every probe after traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_replicas_over_zmq_index_like_over_http() {
+    let mut endpoints = Vec::new();
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let (ev, rp) = (
+            format!("tcp://127.0.0.1:{}", free_port()),
+            format!("tcp://127.0.0.1:{}", free_port()),
+        );
+        let (e, r) = (ev.clone(), rp.clone());
+        replicas.push(
+            start_replica(move |c| {
+                c.kv_events_zmq = Some(e);
+                c.kv_events_replay = Some(r);
+            })
+            .await,
+        );
+        endpoints.push((ev, rp));
+    }
+    let http =
+        common::start_gateway(&[&replicas[0], &replicas[1]], common::exact_hit_signals).await;
+    let addrs: Vec<String> = replicas.iter().map(|r| r.host_port()).collect();
+    let specs: Vec<config::gateway::EngineSpec> = addrs
+        .iter()
+        .zip(&endpoints)
+        .map(|(a, (ev, rp))| config::gateway::EngineSpec {
+            addr: a.clone(),
+            backend: config::gateway::Backend::Kvgate,
+            kv_events: Some(ev.clone()),
+            kv_replay: Some(rp.clone()),
+        })
+        .collect();
+    let zmq = start_gateway_at(&addrs, |c| {
+        c.engines = specs;
+        common::exact_hit_signals(c);
+    })
+    .await;
+    // Traffic through the HTTP-following gateway: shared prefixes, several turns.
+    let system = "You are the support assistant of a paged KV cache company. ".repeat(12);
+    let mut probes = Vec::new();
+    for i in 0..8 {
+        let prompt = format!(
+            "{system} Question {} about block sizes and eviction?",
+            i % 3
+        );
+        let r = http
+            .post(
+                "/v1/completions",
+                json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        probes.push(prompt);
+    }
+    probes.push("A prompt nobody sent, long enough to span two blocks at least.".repeat(3));
+    let explain = |gw: &Gateway, prompt: String| {
+        let (client, admin) = (gw.client.clone(), gw.admin.clone());
+        async move {
+            let e: Value = client
+                .post(format!("{admin}/admin/route/explain"))
+                .json(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            e["replicas"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["matched_blocks"].as_u64().unwrap())
+                .collect::<Vec<u64>>()
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut same = true;
+        let mut seen = Vec::new();
+        for p in &probes {
+            let (a, b) = (
+                explain(&http, p.clone()).await,
+                explain(&zmq, p.clone()).await,
+            );
+            same &= a == b;
+            seen.push((a, b));
+        }
+        let any_hit = seen.iter().any(|(a, _)| a.iter().any(|&m| m > 0));
+        if same && any_hit {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "(HTTP, ZMQ) matched blocks per probe: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A replica that has published a batch is live (one that got no traffic has published
+    // nothing yet, as a vLLM engine would not).
+    let v = zmq.admin_json("/admin/replicas").await;
+    assert!(
+        v.as_array().unwrap().iter().any(|r| r["kv_events"] == true),
+        "{v}"
+    );
+}
