@@ -235,6 +235,10 @@ struct ReplicaArgs {
     /// Require the fleet token on /v1/* too, so clients cannot go around the gateway.
     #[arg(long)]
     restrict_api: bool,
+    /// Require this API key on /v1/* (as vLLM's --api-key; env KVGATE_API_KEY). The fleet
+    /// token is accepted too, so a gateway in front still gets through.
+    #[arg(long, env = "KVGATE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Also publish KV events over ZMQ in vLLM's wire format on this endpoint
     /// (e.g. tcp://*:5557), for routers that follow vLLM's events.
     #[arg(long)]
@@ -324,6 +328,7 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     )
     .map_err(|e| anyhow!(e))?;
     cfg.restrict_api = a.restrict_api;
+    cfg.api_key = a.api_key.filter(|k| !k.is_empty());
     cfg.kv_events_zmq = a.kv_events;
     cfg.kv_events_replay = a.kv_events_replay;
     cfg.drain_timeout = std::time::Duration::from_secs(a.drain_timeout_s);

@@ -86,6 +86,10 @@ pub struct DownstreamConfig {
     /// On SIGTERM: how long in-flight requests may finish before the gateway exits anyway.
     #[serde(default = "default_drain_timeout")]
     pub drain_timeout_s: u64,
+    /// Also answer `GET /metrics` on the API port (load clients such as aiperf look for
+    /// Prometheus metrics on the URL they test). Off by default: the admin port serves them.
+    #[serde(default)]
+    pub metrics_on_api_port: bool,
 }
 
 impl Default for DownstreamConfig {
@@ -101,6 +105,7 @@ impl Default for DownstreamConfig {
             tokenize_queue_timeout_ms: default_tokenize_wait(),
             max_request_prompt_tokens: default_max_request_prompt_tokens(),
             drain_timeout_s: default_drain_timeout(),
+            metrics_on_api_port: false,
         }
     }
 }

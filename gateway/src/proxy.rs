@@ -372,6 +372,19 @@ impl ProxyHttp for GatewayProxy {
                     respond(session, code, Bytes::from(body.to_string()), &[]).await,
                 )
             }
+            (_, "/metrics", _) if method == http::Method::GET && state.metrics_on_api_port => {
+                let text = state.router.metrics.render();
+                (
+                    "metrics",
+                    respond(
+                        session,
+                        200,
+                        Bytes::from(text),
+                        &[("content-type", "text/plain; version=0.0.4".into())],
+                    )
+                    .await,
+                )
+            }
             _ if state.lifecycle.is_draining() => {
                 session.set_keepalive(None);
                 let e = ApiError::unavailable(

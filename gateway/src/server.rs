@@ -163,6 +163,7 @@ pub async fn build_gateway(
         max_request_prompt_tokens: d.max_request_prompt_tokens,
         model_len_override: cfg.model.max_model_len,
         dispatch_lock: parking_lot::Mutex::new(()),
+        metrics_on_api_port: d.metrics_on_api_port,
         discovery,
         gateway_file: cfg
             .config_path

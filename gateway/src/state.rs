@@ -44,6 +44,8 @@ pub struct GatewayState {
     pub model_len_override: Option<usize>,
     /// Serialises admission decisions with their reservations (`dispatch.rs`).
     pub dispatch_lock: parking_lot::Mutex<()>,
+    /// `GET /metrics` is also answered on the API port.
+    pub metrics_on_api_port: bool,
     /// Where the fleet comes from: the listed replicas and the DNS names (`fleet.rs`).
     pub discovery: crate::discovery::Discovery,
     /// The gateway file and the hash of its text last seen, for replica-list reloads.

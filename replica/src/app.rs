@@ -55,6 +55,8 @@ pub struct ReplicaConfig {
     pub fleet_token: Option<String>,
     /// Also require the fleet token on `/v1/*`, so clients cannot go around the gateway.
     pub restrict_api: bool,
+    /// An API key required on `/v1/*` (vLLM's `--api-key`); the fleet token is accepted too.
+    pub api_key: Option<String>,
     /// On shutdown: how long requests in progress may finish.
     pub drain_timeout: Duration,
     /// `cpu` backend: compute threads (default: every core).
@@ -90,6 +92,7 @@ impl ReplicaConfig {
             max_body_bytes: 64 << 20,
             fleet_token: None,
             restrict_api: false,
+            api_key: None,
             drain_timeout: Duration::from_secs(30),
             threads: None,
             kv_cache_mib: 512,
@@ -458,6 +461,7 @@ pub async fn build_server(
         state: Arc::new(AppState {
             fleet_token: cfg.fleet_token.clone(),
             restrict_api: cfg.restrict_api,
+            api_key: cfg.api_key.clone(),
             stop_token_ids,
             info,
             tokenizer,

@@ -41,12 +41,33 @@ const KNOWN: &[&str] = &[
     "/get_model_info",
     "/get_load",
     "/flush_cache",
+    "/reset_prefix_cache",
 ];
 
 /// Endpoints that reveal or change the cache or the tokeniser: fleet token only.
-const INTERNAL: &[&str] = &["/kv_events", "/flush_cache", "/tokenize", "/detokenize"];
+const INTERNAL: &[&str] = &[
+    "/kv_events",
+    "/flush_cache",
+    "/reset_prefix_cache",
+    "/tokenize",
+    "/detokenize",
+];
 
 fn authorize(state: &AppState, path: &str, headers: &http::HeaderMap) -> Result<(), ApiError> {
+    // `--api-key` (as vLLM's): /v1/* need that key, or the fleet token the gateway sends.
+    if let (Some(key), true) = (&state.api_key, path.starts_with("/v1/")) {
+        let fleet_ok = state
+            .fleet_token
+            .as_ref()
+            .is_some_and(|t| protocol::auth::check_bearer(headers, Some(t)).is_ok());
+        if fleet_ok || protocol::auth::check_bearer(headers, Some(key)).is_ok() {
+            return Ok(());
+        }
+        return Err(protocol::auth::unauthorized(
+            "this replica requires an API key: send it as `Authorization: Bearer KEY`",
+            "invalid_api_key",
+        ));
+    }
     let internal = INTERNAL.contains(&path);
     let api = state.restrict_api && path.starts_with("/v1/");
     if !internal && !api {
@@ -103,7 +124,8 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<
         (&Method::GET, "/server_info" | "/get_server_info") => Ok(info::server_info(&state)),
         (&Method::GET, "/model_info" | "/get_model_info") => Ok(info::model_info(&state)),
         (&Method::GET, "/get_load") => Ok(info::get_load(&state)),
-        (&Method::POST, "/flush_cache") => {
+        // `/reset_prefix_cache` is vLLM's name for it (aiperf calls it between runs).
+        (&Method::POST, "/flush_cache" | "/reset_prefix_cache") => {
             let n = state.engine.flush_cache().await?;
             Ok(json_response(
                 StatusCode::OK,

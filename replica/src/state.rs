@@ -45,6 +45,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     pub fleet_token: Option<String>,
     pub restrict_api: bool,
+    /// `--api-key`: required on /v1/* (the fleet token is accepted too).
+    pub api_key: Option<String>,
     /// Tokens that end generation (the model's EOS and end-of-turn ids).
     pub stop_token_ids: Vec<u32>,
 }

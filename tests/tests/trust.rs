@@ -29,6 +29,7 @@ async fn internal_replica_endpoints_need_the_fleet_token() {
     for (method, path) in [
         ("GET", "/kv_events"),
         ("POST", "/flush_cache"),
+        ("POST", "/reset_prefix_cache"),
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
     ] {
@@ -354,4 +355,49 @@ async fn hit_signals_are_rounded_by_default() {
             );
         }
     }
+}
+
+/// vLLM's habits: `--api-key` guards /v1/* (the fleet token still gets the gateway through),
+/// `/reset_prefix_cache` flushes the cache, and the gateway can serve `/metrics` on its API
+/// port for load clients that look there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_habits_api_key_reset_prefix_cache_and_metrics_on_the_api_port() {
+    let r = start_replica(|c| c.api_key = Some("sk-replica-key".into())).await;
+    let body = json!({"model": "Qwen3-8B", "prompt": "Hello", "max_tokens": 1});
+    let plain = reqwest::Client::new();
+    let url = format!("{}/v1/completions", r.base);
+    let none = plain.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(none.status(), 401);
+    let v: Value = none.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let keyed = plain
+        .post(&url)
+        .bearer_auth("sk-replica-key")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(keyed.status(), 200);
+    let gw = start_gateway(&[&r], |c| c.downstream.metrics_on_api_port = true).await;
+    assert_eq!(gw.post("/v1/completions", body.clone()).await.status(), 200);
+    let flushed = r.post("/reset_prefix_cache", json!({})).await;
+    assert_eq!(flushed.status(), 200);
+    let v: Value = flushed.json().await.unwrap();
+    assert!(v["flushed_blocks"].is_u64(), "{v}");
+    let m = plain
+        .get(format!("{}/metrics", gw.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(m.status(), 200);
+    let text = m.text().await.unwrap();
+    assert!(text.contains("kvgate_gateway_requests_total"), "{text}");
+    // Off by default.
+    let quiet = start_gateway(&[&r], |_| {}).await;
+    let m = plain
+        .get(format!("{}/metrics", quiet.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(m.status(), 404);
 }
