@@ -361,6 +361,46 @@ mod tests {
     }
 
     #[test]
+    fn decodes_sglangs_shorter_events() {
+        // SGLang: BlockStored ends at lora_id, BlockRemoved has only its hashes.
+        let batch = Value::Array(vec![
+            Value::from(2.0),
+            Value::Array(vec![
+                Value::Array(vec![
+                    Value::from("BlockStored"),
+                    Value::Array(vec![Value::from(5u64)]),
+                    Value::Nil,
+                    Value::Array((0..16).map(Value::from).collect()),
+                    Value::from(16),
+                    Value::Nil,
+                ]),
+                Value::Array(vec![
+                    Value::from("BlockRemoved"),
+                    Value::Array(vec![Value::from(5u64)]),
+                ]),
+            ]),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &batch).unwrap();
+        let b = KvEventBatch::decode(&bytes).unwrap();
+        assert!(matches!(
+            &b.events[0],
+            KvEvent::BlockStored {
+                medium: None,
+                block_size: 16,
+                ..
+            }
+        ));
+        assert_eq!(
+            b.events[1],
+            KvEvent::BlockRemoved {
+                block_hashes: vec![5],
+                medium: None
+            }
+        );
+    }
+
+    #[test]
     fn decodes_the_map_layout_of_newer_vllm() {
         // msgspec without array_like: the batch and each event are maps, the tag under "type".
         let m = |pairs: Vec<(&str, Value)>| {
