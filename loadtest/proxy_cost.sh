@@ -36,7 +36,11 @@ TOKENS=${TOKENS:-200}
 for tool in nginx hey; do
   command -v "$tool" >/dev/null || { echo "proxy_cost.sh needs $tool (apt-get install $tool)" >&2; exit 1; }
 done
-[ -x "$bin" ] || cargo build --release --bin kvgate
+# The default binary is built first (a no-op when it is current), so a stale one is never
+# measured by mistake; --bin measures exactly the file given.
+if [ "$bin" = target/release/kvgate ]; then
+  cargo build --release --bin kvgate
+fi
 ./scripts/fetch-models.sh >/dev/null
 
 work=$(mktemp -d)
@@ -159,17 +163,17 @@ p99 = float(re.search(r"99% in ([\d.]+) secs", text).group(1)) * 1e3
 ok = int((re.search(r"\[200\]\s+(\d+) responses", text) or [0, 0])[1])
 cpu = ticks / hz
 row = {"round": int(round_), "case": case, "target": target, "n": n, "ok": ok,
-       "rps": rps, "p99_ms": p99, "cpu_s": cpu}
+       "rps": round(rps, 1), "p99_ms": round(p99, 2), "cpu_s": round(cpu, 3)}
 if case == "stream" and target != "direct":
-    row["cpu_us_per_token"] = cpu / (ok * tokens) * 1e6 if ok else None
+    row["cpu_us_per_token"] = round(cpu / (ok * tokens) * 1e6, 3) if ok else None
 if case == "small" and target != "direct":
-    row["cpu_us_per_request"] = cpu / ok * 1e6 if ok else None
+    row["cpu_us_per_request"] = round(cpu / ok * 1e6, 2) if ok else None
 print(json.dumps(row))
 PY
   tail -1 "$results"
 }
 
-echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); nginx $(nginx -v 2>&1 | cut -d/ -f2); kvgate $("$bin" --version 2>/dev/null | awk '{print $2}') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); nginx $(nginx -v 2>&1 | cut -d/ -f2); kvgate binary $bin (built $(date -u -r "$bin" +%FT%TZ)), checkout at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "warm-up"
 for t in "${targets[@]}"; do
   hey -n 200 -c 4 -m POST -T application/json -d "$small_body" "$(url_of $t)/v1/chat/completions" >/dev/null
@@ -280,5 +284,5 @@ c1 = {t: cell("c1", t, "p99_ms")[0] for t in targets}
 if all(c1.values()):
     print()
     added = ", ".join(f"{t} {c1[t] - c1['direct']:+.2f} ms" for t in targets if t != "direct")
-    print(f"c=1 p99 added over direct (medians): {added}")
+    print(f"c=1 p99 added over direct (medians): {added} (hey reports latency in 0.1 ms steps)")
 PY

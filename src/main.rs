@@ -407,7 +407,18 @@ fn load_gateway_file(path: &std::path::Path) -> Result<config::GatewayConfig> {
 /// `kvgate gateway --check`: everything `kvgate gateway` would load, validated, nothing bound.
 fn check_gateway(path: &std::path::Path) -> Result<()> {
     let cfg = load_gateway_file(path)?;
-    println!("{}: ok ({} replicas)", path.display(), cfg.replicas.len());
+    if cfg.discovery.dns.is_empty() {
+        println!("{}: ok ({} replicas)", path.display(), cfg.replicas.len());
+    } else {
+        println!(
+            "{}: ok ({} listed replicas, and every address of {} every {} s; the gateway refuses \
+             to start if these find none)",
+            path.display(),
+            cfg.replicas.len(),
+            cfg.discovery.dns.join(", "),
+            cfg.discovery.every_s
+        );
+    }
     match &cfg.policy_file {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {p}"))?;
@@ -480,10 +491,11 @@ async fn serve_gateway(
         .await
         .with_context(|| format!("cannot listen on {}", cfg.admin_listen))?;
     let model = cfg.model.name.clone();
-    let total = cfg.replicas.len();
     let server = gateway::build_gateway(cfg, listener, admin).await?;
     let (addr, admin_addr) = (server.local_addr(), server.admin_addr());
     let registry = server.state().router.registry.clone();
+    // The fleet as built: the listed replicas and what discovery found.
+    let total = registry.listed().len();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while registry.healthy_count() < wait_for {
         if std::time::Instant::now() > deadline {

@@ -82,11 +82,8 @@ pub async fn build_gateway(
         Duration::from_secs(cfg.discovery.every_s),
     );
     for name in &cfg.discovery.dns {
-        let found = resolve(name, Duration::from_secs(5)).await;
-        if let Err(e) = &found {
-            tracing::warn!(name, error = %e, "discovery: lookup failed at start");
-        }
-        discovery.record(name, found);
+        // A failure is logged by `record`.
+        discovery.record(name, resolve(name, Duration::from_secs(5)).await);
     }
     cfg.replicas = discovery.fleet();
     if cfg.replicas.is_empty() {

@@ -149,11 +149,27 @@ fn write_gguf(dir: &Path, name: &str, meta: &[(&str, Value)], tensors: &[Tensor]
     path
 }
 
-fn scratch(name: &str) -> PathBuf {
+/// A scratch folder, removed when the test ends (passed or failed).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("kvgate-model-files-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 fn logits(w: &LlamaWeights, tokens: &[u32]) -> Vec<f32> {

@@ -185,6 +185,7 @@ async fn the_index_follows_vllm_events_over_zmq_through_gaps_layouts_and_restart
         let empty = std::env::temp_dir().join(format!("kvgate-empty-{}.json", std::process::id()));
         std::fs::write(&empty, r#"{"batches": [], "probes": []}"#).unwrap();
         let mut restarted = Publisher::start(&pub_ep, &replay_ep, &empty, &["--layout", layout]);
+        let _ = std::fs::remove_file(&empty);
         assert_probes(&gw, &probes, |_| 0).await;
         restarted.go();
         assert_eq!(replicas(&gw).await[0]["kv_events_error"], Value::Null);

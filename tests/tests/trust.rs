@@ -10,6 +10,15 @@ use common::{
 };
 use serde_json::{json, Value};
 
+/// Removes a scratch folder when the test ends, passed or failed.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn chat(system: &str, user: &str) -> Value {
     json!({
         "model": "Qwen3-8B",
@@ -159,6 +168,7 @@ fn keys_file(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
 async fn api_keys_map_to_tenants_priority_classes_and_separate_caches() {
     let dir = std::env::temp_dir().join(format!("kvgate-keys-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = RemoveOnDrop(dir.clone());
     let keys = keys_file(&dir, "");
     let r = start_replica(|_| {}).await;
     let gw = start_gateway(&[&r], |c| {
@@ -261,6 +271,7 @@ async fn the_gateway_decides_priority_and_salt_never_the_client() {
     let fake = FakeReplica::start(FakeMode::Stream { tokens: 2 }).await;
     let dir = std::env::temp_dir().join(format!("kvgate-prio-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = RemoveOnDrop(dir.clone());
     let keys = keys_file(&dir, "");
     let policy = dir.join("policy.toml");
     std::fs::write(
