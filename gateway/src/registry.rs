@@ -74,6 +74,8 @@ pub struct ReplicaHandle {
     events_live: AtomicBool,
     /// Why an engine's events cannot be indexed (a block size the gateway does not hash with).
     events_error: parking_lot::Mutex<Option<String>>,
+    /// Recognised as a vLLM engine by its `/metrics` (no engine table names it).
+    detected_vllm: AtomicBool,
     /// The event stream was refused for want of a token (warned once).
     events_refused: AtomicBool,
     /// Requests this gateway saw finish at the replica, and how many had finished when the
@@ -126,6 +128,7 @@ impl ReplicaHandle {
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
             events_live: AtomicBool::new(false),
             events_error: parking_lot::Mutex::new(None),
+            detected_vllm: AtomicBool::new(false),
             events_refused: AtomicBool::new(false),
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
@@ -703,7 +706,10 @@ impl Registry {
         addr: SocketAddr,
         timeout: Duration,
     ) -> Option<String> {
-        let body = self.get(addr, "/server_info", timeout).await?;
+        let Some(body) = self.get(addr, "/server_info", timeout).await else {
+            self.detect_engine(r, addr, timeout).await;
+            return None;
+        };
         let v = serde_json::from_slice::<serde_json::Value>(&body).ok()?;
         if let Some(chunk) = v["chunked_prefill_size"].as_u64().filter(|&c| c > 0) {
             r.chunk_tokens.store(chunk, Ordering::Relaxed);
@@ -717,6 +723,31 @@ impl Registry {
             .as_str()
             .filter(|s| !s.is_empty() && s.len() <= 128)
             .map(str::to_string)
+    }
+
+    /// A replica without `/server_info` and without an engine table: a vLLM engine is
+    /// recognised by its scheduler gauges on `/metrics`, and its load is read there from then on.
+    async fn detect_engine(&self, r: &ReplicaHandle, addr: SocketAddr, timeout: Duration) {
+        if self.engine(&r.name).is_some() || r.detected_vllm.load(Ordering::Relaxed) {
+            return;
+        }
+        let is_vllm = self
+            .get(addr, "/metrics", timeout)
+            .await
+            .is_some_and(|b| parse_vllm(&String::from_utf8_lossy(&b)).is_some());
+        if is_vllm {
+            r.detected_vllm.store(true, Ordering::Relaxed);
+            tracing::info!(replica = %r.name, "detected a vLLM engine: reading its load from /metrics");
+        }
+    }
+
+    /// The engine behind `r`: the file's table, else what was detected, else kvgate.
+    pub fn backend(&self, r: &ReplicaHandle) -> Backend {
+        match self.engine(&r.name) {
+            Some(e) => e.backend,
+            None if r.detected_vllm.load(Ordering::Relaxed) => Backend::Vllm,
+            None => Backend::Kvgate,
+        }
     }
 
     /// Reads the replica's context limit from `/v1/models` (vLLM and kvgate report
@@ -743,7 +774,7 @@ impl Registry {
         let Some(addr) = r.addr() else { return };
         let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
         let finished_before = r.finished.load(Ordering::Relaxed);
-        if self.engine(&r.name).map(|e| e.backend) == Some(Backend::Vllm) {
+        if self.backend(r) == Backend::Vllm {
             // vLLM has no /get_load: its scheduler gauges are on /metrics.
             let Some(l) = self
                 .get(addr, "/metrics", timeout)

@@ -542,7 +542,7 @@ async fn admin_handle(
                         "address": r.addr().map(|a| a.to_string()),
                         "healthy": r.is_healthy(),
                         "kv_events": r.events_live(),
-                        "backend": reg.engine(&r.name).map_or(config::gateway::Backend::Kvgate, |e| e.backend),
+                        "backend": reg.backend(r),
                         "kv_events_error": r.events_error(),
                         "in_flight": l.in_flight,
                         "waiting": l.waiting,

@@ -244,6 +244,8 @@ async fn a_vllm_replicas_load_is_read_from_its_metrics() {
         kv_replay: None,
     };
     let gw = start_gateway_at(std::slice::from_ref(&fake.addr), |c| c.engines = vec![spec]).await;
+    // A second gateway with no engine table recognises the engine from its /metrics.
+    let detected = start_gateway_at(std::slice::from_ref(&fake.addr), |_| {}).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let v = replicas(&gw).await;
@@ -253,6 +255,15 @@ async fn a_vllm_replicas_load_is_read_from_its_metrics() {
             break;
         }
         assert!(Instant::now() < deadline, "load never read: {r}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = replicas(&detected).await;
+        if v[0]["backend"] == "vllm" && v[0]["running"] == 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "vLLM never detected: {v}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The counter rises: the replica is preempting, which explain names.
