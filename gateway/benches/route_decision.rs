@@ -81,6 +81,7 @@ fn bench(c: &mut Criterion) {
             prompt_tokens: p.prompt_tokens,
             block_size: r.block_size,
             matched_blocks: &matched,
+            offloaded_blocks: &[],
             session_id: p.session_id.as_deref(),
             dry_run: false,
         };

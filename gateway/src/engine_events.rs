@@ -6,9 +6,9 @@
 //!
 //! - A block's root: the model's root hash, or, for a LoRA adapter (`lora_id`), a root of its
 //!   own — adapters do not share KV, so their blocks never match a base-model prompt.
-//! - Only GPU-resident blocks (`medium` absent or `"GPU"`) are indexed: a block offloaded to
-//!   CPU is not counted as a hit (it is cheaper than a miss, but the index has no weight for it
-//!   yet); its mapping is kept so that blocks chained on it are still understood.
+//! - Blocks reported with another `medium` (vLLM's CPU offload tier) keep their medium: the
+//!   index holds them in its offload tier, priced between a GPU hit and a miss. Dropping a block
+//!   from the offload tier keeps its mapping (its GPU copy, or blocks chained on it, may live).
 //! - A stored block whose parent the gateway never saw (it joined after the parent was stored,
 //!   or missed it) cannot be placed in the chain: it is skipped and counted.
 //! - A block size other than the gateway's is an error the caller reports: the hashes could
@@ -19,8 +19,7 @@ use std::collections::HashMap;
 use protocol::hashing::{block_hash, root_hash};
 use protocol::kv_events::KvEvent;
 
-/// The medium vLLM reports for blocks in GPU memory.
-pub const MEDIUM_GPU: &str = "GPU";
+use crate::prefix_index::{on_gpu, MEDIUM_GPU};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TranslateError {
@@ -42,12 +41,6 @@ pub struct HashTranslator {
     map: HashMap<u64, (u64, bool)>,
     /// Stored blocks skipped because their parent was unknown.
     pub orphans: u64,
-}
-
-fn on_gpu(medium: &Option<String>) -> bool {
-    medium
-        .as_deref()
-        .is_none_or(|m| m.eq_ignore_ascii_case(MEDIUM_GPU))
 }
 
 impl HashTranslator {
@@ -120,22 +113,23 @@ impl HashTranslator {
                 let mut ours = Vec::with_capacity(block_hashes.len());
                 for (i, engine) in block_hashes.iter().enumerate() {
                     let h = block_hash(parent, &token_ids[i * bs..(i + 1) * bs]);
-                    // A block kept on the GPU and offloaded too stays indexed.
                     let entry = self.map.entry(*engine).or_insert((h, false));
                     entry.0 = h;
                     entry.1 |= gpu;
-                    if gpu {
-                        ours.push(h);
-                    }
+                    ours.push(h);
                     parent = h;
                 }
-                Ok((!ours.is_empty()).then(|| KvEvent::BlockStored {
+                Ok(Some(KvEvent::BlockStored {
                     block_hashes: ours,
                     parent_block_hash: None,
                     token_ids: Vec::new(),
                     block_size: *block_size,
                     lora_id: *lora_id,
-                    medium: Some(MEDIUM_GPU.into()),
+                    medium: if gpu {
+                        Some(MEDIUM_GPU.into())
+                    } else {
+                        medium.clone()
+                    },
                 }))
             }
             KvEvent::BlockRemoved {
@@ -143,8 +137,15 @@ impl HashTranslator {
                 medium,
             } => {
                 if !on_gpu(medium) {
-                    // Dropped from the offload tier: nothing the index holds changes.
-                    return Ok(None);
+                    // Dropped from the offload tier: the mapping stays.
+                    let ours: Vec<u64> = block_hashes
+                        .iter()
+                        .filter_map(|h| self.map.get(h).map(|&(ours, _)| ours))
+                        .collect();
+                    return Ok((!ours.is_empty()).then(|| KvEvent::BlockRemoved {
+                        block_hashes: ours,
+                        medium: medium.clone(),
+                    }));
                 }
                 let ours: Vec<u64> = block_hashes
                     .iter()
@@ -230,12 +231,15 @@ mod tests {
             KvEvent::BlockStored { block_hashes, .. } => assert_ne!(block_hashes, vec![base]),
             e => panic!("{e:?}"),
         }
-        // Offloaded blocks are understood but not indexed.
+        // Offloaded blocks keep their medium (the index's offload tier).
         let mut cpu = stored(vec![3], None, vec![6; 4]);
         if let KvEvent::BlockStored { medium, .. } = &mut cpu {
             *medium = Some("CPU".into());
         }
-        assert_eq!(t.translate(&cpu).unwrap(), None);
+        match t.translate(&cpu).unwrap().unwrap() {
+            KvEvent::BlockStored { medium, .. } => assert_eq!(medium.as_deref(), Some("CPU")),
+            e => panic!("{e:?}"),
+        }
         assert!(t
             .translate(&stored(vec![4], Some(3), vec![7; 4]))
             .unwrap()

@@ -36,6 +36,7 @@ impl GatewayState {
         let router = &self.router;
         let all = router.registry.replicas();
         let matched = router.matched(p);
+        let offloaded = router.offloaded(p, &matched);
         let placed = self.place(a, route, p, &matched, Purpose::Explain);
         let decision = match &placed.outcome {
             Outcome::Go(d) => Some(d),
@@ -74,6 +75,7 @@ impl GatewayState {
                     "kv_events": all.get(i).is_some_and(|h| h.events_live()),
                     "retired": all.get(i).is_some_and(|h| h.is_retired()),
                     "matched_blocks": blocks,
+                    "offloaded_blocks": offloaded.get(i).copied().unwrap_or(0),
                     "predicted_cached_tokens": blocks * router.block_size,
                     "load": {
                         "in_flight": r.load.in_flight,

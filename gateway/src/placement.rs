@@ -230,11 +230,13 @@ impl GatewayState {
                 r.healthy = false;
             }
         }
+        let offloaded = self.router.offloaded(p, matched);
         let req = RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
             block_size: self.router.block_size,
             matched_blocks: matched,
+            offloaded_blocks: &offloaded,
             session_id: p.session_id.as_deref(),
             dry_run,
         };

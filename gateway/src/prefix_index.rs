@@ -16,11 +16,17 @@
 //!   routing, with a short TTL, so the next request of a conversation matches before the
 //!   replica's event arrives.
 //!
+//! - Offload tier: an engine that copies blocks to CPU memory reports them with a `medium`
+//!   other than `"GPU"`; those set the replica's offloaded bit (and its removals clear only
+//!   that bit). A block there is cheaper than a miss (it is loaded, not recomputed) and dearer
+//!   than a GPU hit: [`PrefixIndex::offloaded_lengths`] counts how far a match extends through
+//!   such blocks beyond its GPU run, and the policy prices them apart.
+//!
 //! A match is the longest run of consecutive leading blocks present on a replica. Each entry is
-//! 24 bytes plus its 8-byte key and the map's per-slot overhead: under 64 bytes per block.
+//! 32 bytes plus its 8-byte key and the map's per-slot overhead: under 64 bytes per block.
 
 use std::collections::VecDeque;
-
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use dashmap::DashMap;
@@ -34,8 +40,26 @@ const GROUP: usize = 64;
 struct Entry {
     exact: u64,
     approx: u64,
+    /// Reported in an offload tier (CPU memory), not on the GPU.
+    offloaded: u64,
     /// Seconds (index clock) when an approximate bit was last set.
     touched: u32,
+}
+
+impl Entry {
+    fn is_empty(&self) -> bool {
+        self.exact == 0 && self.approx == 0 && self.offloaded == 0
+    }
+}
+
+/// The medium vLLM reports for blocks in GPU memory.
+pub const MEDIUM_GPU: &str = "GPU";
+
+/// Whether a reported `medium` is GPU memory (absent means GPU, as vLLM's default).
+pub fn on_gpu(medium: &Option<String>) -> bool {
+    medium
+        .as_deref()
+        .is_none_or(|m| m.eq_ignore_ascii_case(MEDIUM_GPU))
 }
 
 /// Bytes one indexed block costs, for the size metric: entry, key, and hashbrown's control byte
@@ -45,6 +69,8 @@ pub const BYTES_PER_BLOCK: usize = std::mem::size_of::<Entry>() + 8 + 8;
 /// Slots `64·g .. 64·g + 63` of the index.
 struct Group {
     map: DashMap<u64, Entry>,
+    /// Offloaded bits set (an upper bound): while 0, offload lookups are skipped.
+    offloaded_bits: AtomicUsize,
     /// Per replica, approximate records in insertion order, for the capacity bound.
     approx_lru: Vec<Mutex<VecDeque<(u64, u32)>>>,
 }
@@ -145,6 +171,21 @@ impl PrefixIndex {
         out
     }
 
+    /// For each replica, how many blocks beyond its match in `gpu` (from
+    /// [`PrefixIndex::match_lengths`]) sit in its offload tier — free when no engine reported
+    /// any.
+    pub fn offloaded_lengths(&self, hashes: &[u64], gpu: &[usize]) -> Vec<usize> {
+        let groups = self.groups.read();
+        let mut out = Vec::with_capacity(gpu.len());
+        for (gi, chunk) in gpu.chunks(GROUP).enumerate() {
+            match groups.get(gi) {
+                Some(g) => out.extend(g.offloaded_lengths(hashes, chunk)),
+                None => out.extend(std::iter::repeat_n(0, chunk.len())),
+            }
+        }
+        out
+    }
+
     /// Drops approximate bits older than `max_ttl` (a periodic sweep keeps the map bounded).
     pub fn expire(&self, now: u32, max_ttl: u32) {
         for g in self.groups() {
@@ -157,6 +198,7 @@ impl Group {
     fn new() -> Self {
         Group {
             map: DashMap::new(),
+            offloaded_bits: AtomicUsize::new(0),
             approx_lru: (0..GROUP).map(|_| Mutex::new(VecDeque::new())).collect(),
         }
     }
@@ -169,9 +211,39 @@ impl Group {
     fn apply(&self, replica: usize, ev: &KvEvent) {
         let bit = Self::bit(replica);
         match ev {
+            KvEvent::BlockStored {
+                block_hashes,
+                medium,
+                ..
+            } if !on_gpu(medium) => {
+                for h in block_hashes {
+                    let mut e = self.map.entry(*h).or_default();
+                    if e.offloaded & bit == 0 {
+                        e.offloaded |= bit;
+                        self.offloaded_bits.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
             KvEvent::BlockStored { block_hashes, .. } => {
                 for h in block_hashes {
                     self.map.entry(*h).or_default().exact |= bit;
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } if !on_gpu(medium) => {
+                for h in block_hashes {
+                    if let dashmap::Entry::Occupied(mut o) = self.map.entry(*h) {
+                        let e = o.get_mut();
+                        if e.offloaded & bit != 0 {
+                            e.offloaded &= !bit;
+                            self.offloaded_bits.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        if e.is_empty() {
+                            o.remove();
+                        }
+                    }
                 }
             }
             KvEvent::BlockRemoved { block_hashes, .. } => {
@@ -188,28 +260,75 @@ impl Group {
             let e = o.get_mut();
             e.exact &= !bit;
             e.approx &= !bit;
-            if e.exact == 0 && e.approx == 0 {
+            if e.is_empty() {
                 o.remove();
             }
         }
     }
 
+    /// Forgets what `replica` reported, both tiers.
     fn clear_exact(&self, replica: usize) {
         let bit = Self::bit(replica);
+        let mut cleared = 0;
         self.map.retain(|_, e| {
             e.exact &= !bit;
-            e.exact != 0 || e.approx != 0
+            if e.offloaded & bit != 0 {
+                e.offloaded &= !bit;
+                cleared += 1;
+            }
+            !e.is_empty()
         });
+        self.release_offloaded(cleared);
     }
 
     fn remove_replica(&self, replica: usize) {
         let bit = Self::bit(replica);
+        let mut cleared = 0;
         self.map.retain(|_, e| {
             e.exact &= !bit;
             e.approx &= !bit;
-            e.exact != 0 || e.approx != 0
+            if e.offloaded & bit != 0 {
+                e.offloaded &= !bit;
+                cleared += 1;
+            }
+            !e.is_empty()
         });
+        self.release_offloaded(cleared);
         self.approx_lru[replica].lock().clear();
+    }
+
+    fn release_offloaded(&self, n: usize) {
+        if n > 0 {
+            let _ = self
+                .offloaded_bits
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(n))
+                });
+        }
+    }
+
+    /// Per replica, how many blocks after its GPU run (`gpu[r]`) continue in the offload tier
+    /// (or on the GPU again, after an offloaded block).
+    fn offloaded_lengths(&self, hashes: &[u64], gpu: &[usize]) -> Vec<usize> {
+        if self.offloaded_bits.load(Ordering::Relaxed) == 0 {
+            return vec![0; gpu.len()];
+        }
+        gpu.iter()
+            .enumerate()
+            .map(|(r, &start)| {
+                let bit = Self::bit(r);
+                hashes
+                    .get(start..)
+                    .unwrap_or(&[])
+                    .iter()
+                    .take_while(|h| {
+                        self.map
+                            .get(h)
+                            .is_some_and(|e| (e.offloaded | e.exact) & bit != 0)
+                    })
+                    .count()
+            })
+            .collect()
     }
 
     fn record_routed(&self, replica: usize, hashes: &[u64], now: u32, capacity: usize) {
@@ -231,7 +350,7 @@ impl Group {
                 // Refreshed since this record: a later record in the queue covers it.
                 if e.touched <= at {
                     e.approx &= !bit;
-                    if e.exact == 0 && e.approx == 0 {
+                    if e.is_empty() {
                         o.remove();
                     }
                 }
@@ -284,7 +403,7 @@ impl Group {
             if now.saturating_sub(e.touched) >= max_ttl {
                 e.approx = 0;
             }
-            e.exact != 0 || e.approx != 0
+            !e.is_empty()
         });
     }
 }
@@ -324,6 +443,48 @@ mod tests {
         assert_eq!(idx.match_lengths(&[1, 2, 3], 3, 0, &[0; 3]), vec![1, 2, 0]);
         idx.apply(1, &KvEvent::AllBlocksCleared);
         assert_eq!(idx.match_lengths(&[1, 2, 3], 3, 0, &[0; 3]), vec![1, 0, 0]);
+    }
+
+    #[test]
+    fn the_offload_tier_extends_a_match_apart_from_the_gpu_run() {
+        let idx = PrefixIndex::new(100);
+        let tier = |hashes: &[u64], medium: &str| KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: None,
+            token_ids: vec![],
+            block_size: 16,
+            lora_id: None,
+            medium: Some(medium.into()),
+        };
+        let h = [1, 2, 3, 4, 5];
+        // Nothing offloaded anywhere: no lookups, zeros.
+        idx.apply(0, &stored(&[1, 2]));
+        assert_eq!(idx.offloaded_lengths(&h, &[2, 0]), vec![0, 0]);
+        idx.apply(0, &tier(&[3, 4], "CPU"));
+        idx.apply(1, &tier(&[1], "cpu"));
+        let gpu = idx.match_lengths(&h, 2, 0, &[0; 2]);
+        assert_eq!(gpu, vec![2, 0], "offloaded blocks are not GPU hits");
+        assert_eq!(idx.offloaded_lengths(&h, &gpu), vec![2, 1]);
+        // Dropping a block from the CPU tier cuts the run there; its GPU bits are untouched.
+        idx.apply(
+            0,
+            &KvEvent::BlockRemoved {
+                block_hashes: vec![4],
+                medium: Some("CPU".into()),
+            },
+        );
+        assert_eq!(idx.offloaded_lengths(&h, &gpu), vec![1, 1]);
+        idx.apply(
+            0,
+            &KvEvent::BlockRemoved {
+                block_hashes: vec![1],
+                medium: Some("CPU".into()),
+            },
+        );
+        assert_eq!(idx.match_lengths(&h, 2, 0, &[0; 2]), vec![2, 0]);
+        // A cleared replica loses both tiers.
+        idx.apply(1, &KvEvent::AllBlocksCleared);
+        assert_eq!(idx.offloaded_lengths(&h, &[2, 0]), vec![1, 0]);
     }
 
     #[test]

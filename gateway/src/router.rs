@@ -324,6 +324,13 @@ impl Router {
         )
     }
 
+    /// Per replica: blocks after its match in `matched` that sit in its offload tier.
+    pub fn offloaded(&self, p: &Prepared, matched: &[usize]) -> Vec<usize> {
+        self.registry
+            .index
+            .offloaded_lengths(&p.hashes[..p.cacheable], matched)
+    }
+
     /// Records a decision that will be sent: speculative index insert and metrics.
     pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
         self.registry

@@ -110,6 +110,9 @@ pub struct RouteRequest<'a> {
     /// Per replica (same indices as the set): leading blocks of this prompt the prefix index
     /// believes are cached there, already capped to what the replica could reuse.
     pub matched_blocks: &'a [usize],
+    /// Per replica: blocks after its match that sit in its offload tier (CPU memory); empty
+    /// when no replica reports one.
+    pub offloaded_blocks: &'a [usize],
     pub session_id: Option<&'a str>,
     /// A preview (`explain`): the policy must not advance any state of its own.
     pub dry_run: bool,
@@ -118,6 +121,10 @@ pub struct RouteRequest<'a> {
 impl RouteRequest<'_> {
     pub fn matched(&self, replica: usize) -> usize {
         self.matched_blocks.get(replica).copied().unwrap_or(0)
+    }
+
+    pub fn offloaded(&self, replica: usize) -> usize {
+        self.offloaded_blocks.get(replica).copied().unwrap_or(0)
     }
 }
 
@@ -335,6 +342,7 @@ pub(crate) fn request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteReque
         prompt_tokens: hashes.len() * 16 + 5,
         block_size: 16,
         matched_blocks: matched,
+        offloaded_blocks: &[],
         session_id: None,
         dry_run: false,
     }

@@ -6,8 +6,9 @@ sha256 over (parent hash, token ids, extra keys) as vLLM's `sha256` prefix-cachi
 (bytes on the wire), full blocks cached when a request's prefill completes (one `BlockStored`
 per request, chained by `parent_block_hash`), least recently used blocks evicted when the pool
 is full (`BlockRemoved`), one LoRA request (`lora_id`), one block offloaded to CPU (`medium`
-"CPU"), and a cache reset half-way (`AllBlocksCleared`). A probe's ground truth is how many of
-its leading blocks are resident on the GPU for the base model at the end of the stream.
+"CPU"), blocks held only in the CPU tier, and a cache reset half-way (`AllBlocksCleared`). A
+probe's ground truth is how many of its leading blocks are resident on the GPU for the base
+model at the end of the stream, and how many more follow in the CPU tier.
 
 Deterministic: python3 tests/python/make_vllm_stream.py > tests/python/vllm_events.json
 """
@@ -108,23 +109,43 @@ off = e.run(off_prompt)
 e.batches.append([{"type": "BlockStored", "block_hashes": [{"hex": off.hex()}], "parent_block_hash": None,
                    "token_ids": off_prompt[:BS], "block_size": BS, "lora_id": None, "medium": "CPU"}])
 e.batches.append([{"type": "BlockRemoved", "block_hashes": [{"hex": off.hex()}], "medium": "CPU"}])
+# A prompt whose blocks live only in the CPU tier (evicted from the GPU after being offloaded):
+# not a GPU hit, but an offloaded one.
+cpu_prompt = tokens(BS * 3 + 2)
+cpu_tier = set()
+parent, cpu_hashes = None, []
+for i in range(3):
+    parent = h(parent, cpu_prompt[i * BS:(i + 1) * BS], None)
+    cpu_hashes.append(parent)
+    cpu_tier.add(parent)
+e.batches.append([{"type": "BlockStored", "block_hashes": [{"hex": x.hex()} for x in cpu_hashes],
+                   "parent_block_hash": None, "token_ids": cpu_prompt[:3 * BS], "block_size": BS,
+                   "lora_id": None, "medium": "CPU"}])
 
 
 def resident_prefix(prompt):
-    parent, n = None, 0
+    """(leading blocks on the GPU, further blocks in the CPU tier or on the GPU)."""
+    parent, gpu, offloaded = None, 0, 0
     for i in range(len(prompt) // BS):
         bh = h(parent, prompt[i * BS:(i + 1) * BS], None)
-        if bh not in e.resident or e.resident[bh][1] is not None:
+        on_gpu = bh in e.resident and e.resident[bh][1] is None
+        if offloaded == 0 and on_gpu:
+            gpu += 1
+        elif bh in cpu_tier or on_gpu:
+            offloaded += 1
+        else:
             break
-        n += 1
         parent = bh
-    return n
+    return gpu, offloaded
 
 
-probes = [s + [7] for s in systems] + [c + [7] for c in convs] + [off_prompt, tokens(BS * 3 + 1)]
+probes = [s + [7] for s in systems] + [c + [7] for c in convs] + [off_prompt, cpu_prompt, tokens(BS * 3 + 1)]
 out = {
     "block_size": BS,
     "batches": e.batches,
-    "probes": [{"prompt": p, "expected_blocks": resident_prefix(p)} for p in probes],
+    "probes": [
+        {"prompt": p, "expected_blocks": g, "expected_offloaded": o}
+        for p, (g, o) in ((p, resident_prefix(p)) for p in probes)
+    ],
 }
 print(json.dumps(out))

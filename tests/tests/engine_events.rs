@@ -105,7 +105,8 @@ async fn wait_live(gw: &Gateway) {
     }
 }
 
-async fn matched(gw: &Gateway, prompt: &Value) -> u64 {
+/// (GPU blocks, offloaded blocks after them) the gateway matches for `prompt`.
+async fn matched(gw: &Gateway, prompt: &Value) -> (u64, u64) {
     let e: Value = gw
         .client
         .post(format!("{}/admin/route/explain", gw.admin))
@@ -116,13 +117,14 @@ async fn matched(gw: &Gateway, prompt: &Value) -> u64 {
         .json()
         .await
         .unwrap();
-    e["replicas"][0]["matched_blocks"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no matched_blocks in {e}"))
+    let r = &e["replicas"][0];
+    let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {e}"));
+    (n("matched_blocks"), n("offloaded_blocks"))
 }
 
-/// Polls until every probe's matched blocks equal `want(probe)`, or fails with the difference.
-async fn assert_probes(gw: &Gateway, probes: &[Value], want: impl Fn(&Value) -> u64) {
+/// Polls until every probe's (GPU, offloaded) match equals `want(probe)`, or fails with the
+/// difference.
+async fn assert_probes(gw: &Gateway, probes: &[Value], want: impl Fn(&Value) -> (u64, u64)) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let mut got = Vec::new();
@@ -134,7 +136,7 @@ async fn assert_probes(gw: &Gateway, probes: &[Value], want: impl Fn(&Value) -> 
         }
         assert!(
             Instant::now() < deadline,
-            "(matched, ground truth) per probe: {got:?}"
+            "((matched, offloaded), ground truth) per probe: {got:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -149,6 +151,9 @@ async fn the_index_follows_vllm_events_over_zmq_through_gaps_layouts_and_restart
         .iter()
         .any(|p| p["expected_blocks"].as_u64() > Some(3)));
     assert!(probes.iter().any(|p| p["expected_blocks"] == 0));
+    assert!(probes
+        .iter()
+        .any(|p| p["expected_offloaded"].as_u64() > Some(0)));
     let replica = start_replica(|_| {}).await;
     for layout in ["map", "array"] {
         let (pub_ep, replay_ep) = (
@@ -179,14 +184,20 @@ async fn the_index_follows_vllm_events_over_zmq_through_gaps_layouts_and_restart
         assert_eq!(replicas(&gw).await[0]["backend"], "vllm");
         wait_live(&gw).await;
         publisher.go();
-        assert_probes(&gw, &probes, |p| p["expected_blocks"].as_u64().unwrap()).await;
+        assert_probes(&gw, &probes, |p| {
+            (
+                p["expected_blocks"].as_u64().unwrap(),
+                p["expected_offloaded"].as_u64().unwrap(),
+            )
+        })
+        .await;
         // The engine restarts: its sequence starts again at 0 with an empty cache.
         drop(publisher);
         let empty = std::env::temp_dir().join(format!("kvgate-empty-{}.json", std::process::id()));
         std::fs::write(&empty, r#"{"batches": [], "probes": []}"#).unwrap();
         let mut restarted = Publisher::start(&pub_ep, &replay_ep, &empty, &["--layout", layout]);
         let _ = std::fs::remove_file(&empty);
-        assert_probes(&gw, &probes, |_| 0).await;
+        assert_probes(&gw, &probes, |_| (0, 0)).await;
         restarted.go();
         assert_eq!(replicas(&gw).await[0]["kv_events_error"], Value::Null);
     }
