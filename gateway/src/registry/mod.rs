@@ -19,21 +19,22 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use config::gateway::{Backend, EngineSpec};
 use config::GatewayConfig;
-use http_body_util::BodyExt;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use parking_lot::RwLock;
 use policies::{LoadSignal, ReplicaSet, ReplicaView, SpeedView};
-use protocol::kv_events::FrameDecoder;
 
 use arc_swap::ArcSwap;
 
 use crate::admission::LatencyModel;
 use crate::engine_events::HashTranslator;
-use crate::engine_metrics::parse_vllm;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
-use crate::zmq_events::{self, EventSink, ZmqSource};
+use crate::zmq_events::{self, ZmqSource};
+
+mod events;
+mod health;
+mod probes;
 
 pub type HttpClient = Client<HttpConnector, http_body_util::Full<Bytes>>;
 
@@ -210,25 +211,6 @@ impl ReplicaHandle {
             waiting: reported(&self.waiting),
             running: reported(&self.running),
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
-        }
-    }
-}
-
-impl EventSink for ReplicaHandle {
-    fn set_live(&self, live: bool) {
-        self.events_live.store(live, Ordering::Relaxed);
-    }
-
-    fn set_error(&self, error: Option<String>) {
-        let mut e = self.events_error.lock();
-        if *e != error {
-            match &error {
-                Some(msg) => {
-                    tracing::error!(replica = %self.name, error = %msg, "KV events cannot be indexed")
-                }
-                None => tracing::info!(replica = %self.name, "KV events are indexed again"),
-            }
-            *e = error;
         }
     }
 }
@@ -579,304 +561,6 @@ impl Registry {
         if let Some(r) = self.replica(slot) {
             self.record_check(&r, false);
         }
-    }
-
-    fn record_check(&self, r: &ReplicaHandle, ok: bool) {
-        let h = &self.cfg.health;
-        if ok {
-            r.fails.store(0, Ordering::Relaxed);
-            let oks = r.oks.fetch_add(1, Ordering::Relaxed) + 1;
-            // The first pass admits a replica that was never seen; a previously ejected one
-            // needs `successes_to_readmit` in a row.
-            let never_seen = oks == 1 && r.fails.load(Ordering::Relaxed) == 0;
-            if !r.is_healthy() && (oks >= h.successes_to_readmit || never_seen) {
-                r.healthy.store(true, Ordering::Relaxed);
-                r.metrics().healthy.set(1.0);
-                tracing::info!(replica = %r.name, label = %r.label(), "replica admitted");
-            }
-        } else {
-            r.oks.store(0, Ordering::Relaxed);
-            let fails = r.fails.fetch_add(1, Ordering::Relaxed) + 1;
-            if r.is_healthy() && fails >= h.failures_to_eject {
-                r.healthy.store(false, Ordering::Relaxed);
-                r.metrics().healthy.set(0.0);
-                r.ejections.send_modify(|n| *n += 1);
-                self.index.remove_replica(r.slot);
-                tracing::warn!(replica = %r.name, fails, "replica ejected");
-            }
-        }
-    }
-
-    async fn resolve(&self, r: &ReplicaHandle) -> Option<SocketAddr> {
-        let found = tokio::net::lookup_host(r.name.as_str()).await.ok()?.next();
-        if let Some(a) = found {
-            *r.addr.write() = Some(a);
-        }
-        found.or_else(|| r.addr())
-    }
-
-    async fn get(&self, addr: SocketAddr, path: &str, timeout: Duration) -> Option<Bytes> {
-        self.fetch(addr, path, timeout).await.ok()
-    }
-
-    /// GET `path` at `addr`; the error says why, for the operator.
-    async fn fetch(
-        &self,
-        addr: SocketAddr,
-        path: &str,
-        timeout: Duration,
-    ) -> Result<Bytes, String> {
-        let req = self.request(
-            http::Method::GET,
-            format!("http://{addr}{path}"),
-            Bytes::new(),
-        );
-        let fut = async {
-            let resp = self.client.request(req).await.map_err(|e| format!("{e}"))?;
-            if !resp.status().is_success() {
-                return Err(format!("{path} answered {}", resp.status()));
-            }
-            resp.into_body()
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .map_err(|e| format!("{e}"))
-        };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| format!("{path} did not answer within {timeout:?}"))?
-    }
-
-    /// Runs one health check of `r` now.
-    pub async fn check(&self, r: &ReplicaHandle) {
-        let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
-        let addr = self.resolve(r).await;
-        let result = match addr {
-            Some(addr) => self.fetch(addr, "/health", timeout).await.map(|_| ()),
-            None => Err(format!("cannot resolve {}", r.name)),
-        };
-        let ok = result.is_ok();
-        // A replica that never answered is otherwise silent: say why, every 30 s at most.
-        if let Err(why) = &result {
-            let never_admitted = r.oks.load(Ordering::Relaxed) == 0 && !r.is_healthy();
-            let now = self.now_ms() + 1;
-            let last = r.warned_at_ms.load(Ordering::Relaxed);
-            if never_admitted && (last == 0 || now >= last + 30_000) {
-                r.warned_at_ms.store(now, Ordering::Relaxed);
-                tracing::warn!(replica = %r.name, error = %why, "replica not admitted: its health check fails");
-            }
-        }
-        // What the replica says about itself is learnt before it is admitted, so its label
-        // (and its series) carry its own id from the start.
-        let mut id = None;
-        if let (true, Some(addr), None) = (ok, addr, r.max_model_len()) {
-            self.learn_model_len(r, addr, timeout).await;
-            id = self.learn_server_info(r, addr, timeout).await;
-        }
-        if !r.label_settled() {
-            self.settle_label(r, id);
-        }
-        self.record_check(r, ok);
-    }
-
-    /// Settles `r`'s label: its reported id unless another listed replica already has it.
-    fn settle_label(&self, r: &ReplicaHandle, id: Option<String>) {
-        let taken = |id: &str| {
-            self.replicas.load().iter().any(|o| {
-                o.slot != r.slot && !o.is_retired() && o.label_settled() && o.label() == id
-            })
-        };
-        let label = match id {
-            Some(id) if taken(&id) => {
-                tracing::warn!(replica = %r.name, id = %id, "two replicas report the same replica_id; labelling this one by its address");
-                r.name.clone()
-            }
-            Some(id) => id,
-            None => r.name.clone(),
-        };
-        let _ = r.label.set(label);
-    }
-
-    /// Learns from `/server_info` (kvgate and SGLang replicas): the prefill-rate prior of the
-    /// TTFT model (`prefill_tokens_per_s`), the chunk budget (`chunked_prefill_size`); returns
-    /// the replica's own id (`replica_id`) when it reports one.
-    async fn learn_server_info(
-        &self,
-        r: &ReplicaHandle,
-        addr: SocketAddr,
-        timeout: Duration,
-    ) -> Option<String> {
-        let Some(body) = self.get(addr, "/server_info", timeout).await else {
-            self.detect_engine(r, addr, timeout).await;
-            return None;
-        };
-        let v = serde_json::from_slice::<serde_json::Value>(&body).ok()?;
-        if let Some(chunk) = v["chunked_prefill_size"].as_u64().filter(|&c| c > 0) {
-            r.chunk_tokens.store(chunk, Ordering::Relaxed);
-        }
-        if let Some(rate) = v["prefill_tokens_per_s"].as_f64() {
-            r.model
-                .lock()
-                .set_prior(rate, crate::admission::GENERIC_OVERHEAD_S);
-        }
-        v["replica_id"]
-            .as_str()
-            .filter(|s| !s.is_empty() && s.len() <= 128)
-            .map(str::to_string)
-    }
-
-    /// A replica without `/server_info` and without an engine table: a vLLM engine is
-    /// recognised by its scheduler gauges on `/metrics`, and its load is read there from then on.
-    async fn detect_engine(&self, r: &ReplicaHandle, addr: SocketAddr, timeout: Duration) {
-        if self.engine(&r.name).is_some() || r.detected_vllm.load(Ordering::Relaxed) {
-            return;
-        }
-        let is_vllm = self
-            .get(addr, "/metrics", timeout)
-            .await
-            .is_some_and(|b| parse_vllm(&String::from_utf8_lossy(&b)).is_some());
-        if is_vllm {
-            r.detected_vllm.store(true, Ordering::Relaxed);
-            tracing::info!(replica = %r.name, "detected a vLLM engine: reading its load from /metrics");
-        }
-    }
-
-    /// The engine behind `r`: the file's table, else what was detected, else kvgate.
-    pub fn backend(&self, r: &ReplicaHandle) -> Backend {
-        match self.engine(&r.name) {
-            Some(e) => e.backend,
-            None if r.detected_vllm.load(Ordering::Relaxed) => Backend::Vllm,
-            None => Backend::Kvgate,
-        }
-    }
-
-    /// Reads the replica's context limit from `/v1/models` (vLLM and kvgate report
-    /// `max_model_len` there).
-    async fn learn_model_len(&self, r: &ReplicaHandle, addr: SocketAddr, timeout: Duration) {
-        let Some(body) = self.get(addr, "/v1/models", timeout).await else {
-            return;
-        };
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
-            return;
-        };
-        let found = v["data"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|m| m["max_model_len"].as_u64())
-            .min();
-        if let Some(n) = found {
-            r.max_model_len.store(n, Ordering::Relaxed);
-        }
-    }
-
-    async fn poll_load(&self, r: &ReplicaHandle) {
-        let Some(addr) = r.addr() else { return };
-        let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
-        let finished_before = r.finished.load(Ordering::Relaxed);
-        if self.backend(r) == Backend::Vllm {
-            // vLLM has no /get_load: its scheduler gauges are on /metrics.
-            let Some(l) = self
-                .get(addr, "/metrics", timeout)
-                .await
-                .and_then(|b| parse_vllm(&String::from_utf8_lossy(&b)))
-            else {
-                return;
-            };
-            r.waiting.store(l.waiting, Ordering::Relaxed);
-            r.running.store(l.running, Ordering::Relaxed);
-            r.kv_usage_bits
-                .store(l.kv_usage.to_bits(), Ordering::Relaxed);
-            r.since_poll_tokens.store(0, Ordering::Relaxed);
-            if let Some(p) = l.preemptions {
-                self.note_preemptions(r, p);
-            }
-            r.finished_at_poll.store(finished_before, Ordering::Relaxed);
-            return;
-        }
-        let Some(body) = self.get(addr, "/get_load", timeout).await else {
-            return;
-        };
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
-            return;
-        };
-        let first = v.get(0).unwrap_or(&v);
-        let field = |k: &str| first.get(k).and_then(|x| x.as_u64()).unwrap_or(0) as u32;
-        let waiting = field("num_waiting_reqs");
-        let total = field("num_reqs");
-        r.waiting.store(waiting, Ordering::Relaxed);
-        r.running
-            .store(total.saturating_sub(waiting), Ordering::Relaxed);
-        let kv = first
-            .get("kv_cache_usage")
-            .and_then(|x| x.as_f64())
-            .unwrap_or(0.0);
-        r.kv_usage_bits.store(kv.to_bits(), Ordering::Relaxed);
-        r.since_poll_tokens.store(0, Ordering::Relaxed);
-        if let Some(c) = first.get("max_total_num_tokens").and_then(|x| x.as_u64()) {
-            r.capacity_tokens.store(c, Ordering::Relaxed);
-        }
-        if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
-            self.note_preemptions(r, p);
-        }
-        r.finished_at_poll.store(finished_before, Ordering::Relaxed);
-    }
-
-    /// A replica's preemption counter read `p`: a rise marks it as preempting now.
-    fn note_preemptions(&self, r: &ReplicaHandle, p: u64) {
-        let before = r.preemptions.swap(p, Ordering::Relaxed);
-        if before != u64::MAX && p > before {
-            r.preempted_at_ms
-                .store(self.now_ms() + 1, Ordering::Relaxed);
-        }
-    }
-
-    /// Follows `r`'s KV event stream until it ends or shows a gap; the index holds exactly what
-    /// the replica reported while this runs.
-    async fn follow_events(&self, r: &ReplicaHandle) -> Result<(), String> {
-        let addr = r.addr().ok_or("no address yet")?;
-        let req = self.request(
-            http::Method::GET,
-            format!("http://{addr}/kv_events"),
-            Bytes::new(),
-        );
-        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
-        if !resp.status().is_success() {
-            if matches!(resp.status().as_u16(), 401 | 403)
-                && !r.events_refused.swap(true, Ordering::Relaxed)
-            {
-                tracing::warn!(
-                    replica = %r.name,
-                    status = %resp.status(),
-                    "the replica refuses its KV event stream: give the gateway the fleet's token \
-                     (KVGATE_FLEET_TOKEN or auth.fleet_token_file); until then routing uses the \
-                     approximate index"
-                );
-            }
-            return Err(format!("status {}", resp.status()));
-        }
-        let mut body = resp.into_body();
-        let mut dec = FrameDecoder::new();
-        let mut expected: Option<u64> = None;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| e.to_string())?;
-            let Some(data) = frame.data_ref() else {
-                continue;
-            };
-            for (seq, batch) in dec.feed(data).map_err(|e| e.to_string())? {
-                if let Some(want) = expected {
-                    if seq != want {
-                        return Err(format!("sequence gap: expected {want}, got {seq}"));
-                    }
-                }
-                expected = Some(seq + 1);
-                for ev in &batch.events {
-                    self.index.apply(r.slot, ev);
-                }
-                r.events_live.store(true, Ordering::Relaxed);
-            }
-        }
-        Err("stream ended".into())
     }
 
     /// Starts health checks, load polling and (when enabled) KV event subscriptions for every

@@ -1,0 +1,80 @@
+//! A kvgate replica's KV events over HTTP (`GET /kv_events`), and what any event follower
+//! reports back to the replica's record ([`EventSink`]).
+
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use protocol::kv_events::FrameDecoder;
+
+use super::{Registry, ReplicaHandle};
+use crate::zmq_events::EventSink;
+
+impl EventSink for ReplicaHandle {
+    fn set_live(&self, live: bool) {
+        self.events_live.store(live, Ordering::Relaxed);
+    }
+
+    fn set_error(&self, error: Option<String>) {
+        let mut e = self.events_error.lock();
+        if *e != error {
+            match &error {
+                Some(msg) => {
+                    tracing::error!(replica = %self.name, error = %msg, "KV events cannot be indexed")
+                }
+                None => tracing::info!(replica = %self.name, "KV events are indexed again"),
+            }
+            *e = error;
+        }
+    }
+}
+
+impl Registry {
+    /// Follows `r`'s KV event stream until it ends or shows a gap; the index holds exactly what
+    /// the replica reported while this runs.
+    pub(super) async fn follow_events(&self, r: &ReplicaHandle) -> Result<(), String> {
+        let addr = r.addr().ok_or("no address yet")?;
+        let req = self.request(
+            http::Method::GET,
+            format!("http://{addr}/kv_events"),
+            Bytes::new(),
+        );
+        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            if matches!(resp.status().as_u16(), 401 | 403)
+                && !r.events_refused.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(
+                    replica = %r.name,
+                    status = %resp.status(),
+                    "the replica refuses its KV event stream: give the gateway the fleet's token \
+                     (KVGATE_FLEET_TOKEN or auth.fleet_token_file); until then routing uses the \
+                     approximate index"
+                );
+            }
+            return Err(format!("status {}", resp.status()));
+        }
+        let mut body = resp.into_body();
+        let mut dec = FrameDecoder::new();
+        let mut expected: Option<u64> = None;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| e.to_string())?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            for (seq, batch) in dec.feed(data).map_err(|e| e.to_string())? {
+                if let Some(want) = expected {
+                    if seq != want {
+                        return Err(format!("sequence gap: expected {want}, got {seq}"));
+                    }
+                }
+                expected = Some(seq + 1);
+                for ev in &batch.events {
+                    self.index.apply(r.slot, ev);
+                }
+                r.events_live.store(true, Ordering::Relaxed);
+            }
+        }
+        Err("stream ended".into())
+    }
+}
