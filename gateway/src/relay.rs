@@ -3,10 +3,13 @@
 //! and the usage event, and rewrites what the usage says about cache hits per the policy's
 //! [`HitPolicy`]. A stream that ends without `[DONE]` was cut: the relay then sends an
 //! OpenAI-style error event, which the OpenAI SDKs raise as an exception, instead of letting
-//! a truncated answer pass as a complete one.
+//! a truncated answer pass as a complete one. [`drain_ready`] joins the chunks a replica has
+//! already sent into one client write; [`AnswerUsage`] is what an unstreamed answer's usage is
+//! read as.
 
 use bytes::Bytes;
 use config::HitSignals;
+use http_body_util::BodyExt;
 use protocol::sse::{parse_event, SseEvent};
 use protocol::ApiError;
 use serde_json::Value;
@@ -199,6 +202,80 @@ impl SseTap {
         }
         Some(format!("data: {v}\n\n").into_bytes())
     }
+}
+
+/// Most chunks joined into one write.
+const MAX_COALESCED: usize = 64;
+
+/// Appends to `first` the events of chunks the replica has already sent: the upstream
+/// connection task decodes one chunk at a time, so each turn yields to let it decode the next
+/// from what it has read, and stops at the first that is not there yet. A replica faster than
+/// the client's reads (or many tokens in one TCP segment) then costs one write, not one per
+/// token; a replica that sends a token at a time costs one extra poll. Returns the events to
+/// write, how many chunks were joined, and a frame that was not data (the end, an error) to
+/// handle next.
+pub async fn drain_ready(
+    body: &mut hyper::body::Incoming,
+    tap: &mut SseTap,
+    hits: &HitPolicy,
+    first: Option<Bytes>,
+) -> (
+    Option<Bytes>,
+    usize,
+    Option<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>>,
+) {
+    let mut joined: Option<bytes::BytesMut> = None;
+    let mut next = first;
+    let mut n = 0;
+    for _ in 0..MAX_COALESCED {
+        if tap.done {
+            break;
+        }
+        tokio::task::yield_now().await;
+        let more = match futures::FutureExt::now_or_never(body.frame()) {
+            None => break,
+            Some(Some(Ok(f))) => match f.into_data().ok().and_then(|d| tap.feed(&d, hits)) {
+                Some(more) => more,
+                None => continue,
+            },
+            Some(other) => {
+                let out = joined.map(bytes::BytesMut::freeze).or(next);
+                return (out, n, Some(other));
+            }
+        };
+        match (&mut joined, next.take()) {
+            (Some(j), _) => j.extend_from_slice(&more),
+            (None, Some(head)) => {
+                let mut j = bytes::BytesMut::with_capacity(head.len() + more.len() * 8);
+                j.extend_from_slice(&head);
+                j.extend_from_slice(&more);
+                joined = Some(j);
+            }
+            (None, None) => {
+                next = Some(more);
+                continue;
+            }
+        }
+        n += 1;
+    }
+    (joined.map(bytes::BytesMut::freeze).or(next), n, None)
+}
+
+/// What an unstreamed answer says about its usage (every other field is skipped).
+#[derive(serde::Deserialize)]
+pub struct AnswerUsage {
+    pub usage: Option<Usage>,
+}
+
+#[derive(serde::Deserialize, Default)]
+pub struct Usage {
+    pub completion_tokens: Option<u64>,
+    pub prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct PromptDetails {
+    pub cached_tokens: Option<u64>,
 }
 
 #[cfg(test)]
