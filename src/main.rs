@@ -333,10 +333,19 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     cfg.kv_events_replay = a.kv_events_replay;
     cfg.drain_timeout = std::time::Duration::from_secs(a.drain_timeout_s);
     if cfg.fleet_token.is_none() {
-        tracing::warn!(
-            "no fleet token (KVGATE_FLEET_TOKEN or --fleet-token-file): /kv_events, /flush_cache, \
-             /tokenize and /detokenize are refused, so a gateway routes without KV events"
-        );
+        if cfg.kv_events_zmq.is_some() {
+            tracing::warn!(
+                "no fleet token (KVGATE_FLEET_TOKEN or --fleet-token-file): /kv_events, \
+                 /flush_cache, /tokenize and /detokenize are refused; KV events still go out over \
+                 ZMQ (--kv-events), which has no authentication of its own"
+            );
+        } else {
+            tracing::warn!(
+                "no fleet token (KVGATE_FLEET_TOKEN or --fleet-token-file): /kv_events, \
+                 /flush_cache, /tokenize and /detokenize are refused, so a gateway routes without \
+                 KV events"
+            );
+        }
     }
     let server = replica::build_server(cfg, listener).await?;
     let addr = server.local_addr();
@@ -407,6 +416,21 @@ fn load_gateway_file(path: &std::path::Path) -> Result<config::GatewayConfig> {
 /// `kvgate gateway --check`: everything `kvgate gateway` would load, validated, nothing bound.
 fn check_gateway(path: &std::path::Path) -> Result<()> {
     let cfg = load_gateway_file(path)?;
+    // The tokenizer, as the gateway will load it (a relative folder is taken from the working
+    // directory the gateway starts in).
+    let dir = match &cfg.model.tokenizer_dir {
+        Some(d) => PathBuf::from(d),
+        None => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
+            anyhow!("no tokenizer folder configured or found (model.tokenizer_dir)")
+        })?,
+    };
+    protocol::tokenizer::TextTokenizer::from_path(&dir).map_err(|e| {
+        anyhow!(
+            "model.tokenizer_dir {} (from {}): {e}",
+            dir.display(),
+            std::env::current_dir().map_or("?".into(), |d| d.display().to_string())
+        )
+    })?;
     if cfg.discovery.dns.is_empty() {
         println!("{}: ok ({} replicas)", path.display(), cfg.replicas.len());
     } else {
@@ -453,6 +477,7 @@ fn check_gateway(path: &std::path::Path) -> Result<()> {
         cfg.auth.fleet_token_file.as_deref(),
     )
     .map_err(|e| anyhow!(e))?;
+    let zmq_only = cfg.engines.iter().filter(|e| e.kv_events.is_some()).count();
     println!(
         "admin token: {}; fleet token: {}",
         if admin.is_some() {
@@ -460,10 +485,10 @@ fn check_gateway(path: &std::path::Path) -> Result<()> {
         } else {
             "none (loopback only)"
         },
-        if fleet.is_some() {
-            "set"
-        } else {
-            "none (replicas will refuse KV events)"
+        match (fleet.is_some(), cfg.replicas.len() == zmq_only) {
+            (true, _) => "set",
+            (false, true) => "none (every replica's events come over ZMQ, which needs none)",
+            (false, false) => "none (kvgate replicas will refuse their HTTP KV events)",
         }
     );
     Ok(())

@@ -362,9 +362,12 @@ fn split_engine_tables(table: &mut toml::Table) -> Result<Vec<EngineSpec>, Confi
     Ok(specs)
 }
 
-/// `tcp://host:port`.
+/// `tcp://host:port` naming a host to connect to (not `*` or `0.0.0.0`, which are how an
+/// engine spells the address it binds).
 fn is_zmq_tcp(endpoint: &str) -> bool {
-    endpoint.strip_prefix("tcp://").is_some_and(is_host_port)
+    endpoint.strip_prefix("tcp://").is_some_and(|hp| {
+        is_host_port(hp) && !matches!(hp.rsplit_once(':').map(|(h, _)| h), Some("*" | "0.0.0.0"))
+    })
 }
 
 /// `[discovery]`: replicas found by resolving names. Every A/AAAA record of `name:port` is one
@@ -559,7 +562,7 @@ impl GatewayConfig {
                         is_zmq_tcp(ep),
                         &format!("replicas[{}].{field}", e.addr),
                         format!("{ep:?}"),
-                        "must be tcp://host:port, the engine's ZMQ endpoint",
+                        "must be tcp://host:port with the engine's host (the engine binds tcp://*:PORT; the gateway connects to it by name or address)",
                     );
                 }
             }
@@ -858,11 +861,12 @@ mod tests {
         .to_string();
         assert!(e.contains("replicas[2]"), "{e}");
         let e = GatewayConfig::from_toml(
-            r#"replicas = [{ addr = "a:1", backend = "vllm", kv_events = "10.0.0.5:5557" }, { addr = "b:1", kv_replay = "tcp://b:2" }]"#,
+            r#"replicas = [{ addr = "a:1", backend = "vllm", kv_events = "10.0.0.5:5557" }, { addr = "b:1", kv_replay = "tcp://b:2" }, { addr = "c:1", kv_events = "tcp://*:5557" }]"#,
         )
         .unwrap_err()
         .to_string();
         assert!(e.contains("must be tcp://host:port"), "{e}");
         assert!(e.contains("needs kv_events"), "{e}");
+        assert!(e.contains("replicas[c:1].kv_events"), "{e}");
     }
 }

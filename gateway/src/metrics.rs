@@ -24,6 +24,8 @@ pub struct ReplicaMetrics {
     pub prompt_tokens: Counter,
     pub predicted_hit_tokens: Counter,
     pub in_flight: Gauge,
+    /// 1 while its KV events keep the index exact (connected, no error), else 0.
+    pub kv_events_live: Gauge,
     /// Observed ÷ predicted time to first token of the requests placed there.
     pub ttft_prediction_ratio: Histogram,
 }
@@ -341,6 +343,10 @@ impl GatewayMetrics {
             ),
             in_flight: r.register_gauge(
                 &Key::from_parts("kvgate_gateway_replica_in_flight", l()),
+                &META,
+            ),
+            kv_events_live: r.register_gauge(
+                &Key::from_parts("kvgate_gateway_replica_kv_events_live", l()),
                 &META,
             ),
         }

@@ -67,26 +67,51 @@ pub async fn follow(
     // Nothing is known of the engine's cache until its events say so.
     index.clear_exact(slot);
     translator.clear();
+    sink.set_error(None);
     let mut last: Option<u64> = None;
+    // Joining: the replay buffer holds what the engine did before we connected (as far back as
+    // it keeps), asked for now rather than at the engine's next batch, which an idle engine
+    // may not send for a long time. Replaying adds blocks the engine still holds; what is
+    // missing is only a missed hit, never a false one. Live batches the replay already
+    // applied are skipped once.
+    let mut replayed: Option<u64> = None;
+    if let Some(r) = &source.replay {
+        match replay(
+            r,
+            0,
+            u64::MAX,
+            slot,
+            index,
+            translator,
+            sink,
+            Replay::CatchUp,
+        )
+        .await
+        {
+            Ok(highest) => {
+                replayed = highest;
+                last = highest;
+                sink.set_live(true);
+            }
+            Err(e) => {
+                tracing::info!(endpoint = %r, error = %e, "no KV event history to catch up on")
+            }
+        }
+    }
     loop {
         let msg = sub.recv().await.map_err(|e| e.to_string())?;
         let Some((seq, payload)) = parts(&msg) else {
             tracing::warn!(endpoint = %source.events, frames = msg.len(), "KV event message of an unknown shape; ignored");
             continue;
         };
-        match last {
-            None => {
-                // Joining: the replay buffer holds what the engine did before we connected
-                // (as far back as it keeps). Replaying it adds blocks the engine still holds;
-                // what is missing is only a missed hit, never a false one.
-                if let Some(r) = &source.replay {
-                    if let Err(e) =
-                        replay(r, 0, seq, slot, index, translator, sink, Replay::CatchUp).await
-                    {
-                        tracing::info!(endpoint = %r, error = %e, "no KV event history to catch up on");
-                    }
-                }
+        if let Some(upto) = replayed {
+            if seq <= upto {
+                continue;
             }
+            replayed = None;
+        }
+        match last {
+            None => {}
             Some(l) if seq <= l => {
                 tracing::info!(endpoint = %source.events, seq, last = l, "the engine's event sequence went back (restart?): starting over");
                 index.clear_exact(slot);
@@ -125,7 +150,8 @@ enum Replay {
     CatchUp,
 }
 
-/// Asks the replay socket for batches `from..until` and applies them.
+/// Asks the replay socket for batches `from..until` and applies them; returns the highest
+/// sequence applied.
 #[allow(clippy::too_many_arguments)]
 async fn replay(
     endpoint: &str,
@@ -136,7 +162,7 @@ async fn replay(
     translator: &mut HashTranslator,
     sink: &dyn EventSink,
     why: Replay,
-) -> Result<(), String> {
+) -> Result<Option<u64>, String> {
     let mut dealer = zeromq::DealerSocket::new();
     tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint))
         .await
@@ -146,6 +172,7 @@ async fn replay(
     req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
     dealer.send(req).await.map_err(|e| e.to_string())?;
     let mut next = from;
+    let mut highest = None;
     let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
     while next < until {
         let msg = tokio::time::timeout_at(deadline, dealer.recv())
@@ -168,6 +195,7 @@ async fn replay(
             return Err(format!("the replay starts at {seq}, {next} was asked for"));
         }
         apply(&payload, slot, index, translator, sink);
+        highest = Some(seq);
         next = seq + 1;
     }
     if next < until && why == Replay::Gap {
@@ -175,7 +203,7 @@ async fn replay(
             "the engine no longer buffers batches {next}..{until}"
         ));
     }
-    Ok(())
+    Ok(highest)
 }
 
 /// Decodes, translates and indexes one batch.

@@ -191,6 +191,26 @@ async fn the_index_follows_vllm_events_over_zmq_through_gaps_layouts_and_restart
             )
         })
         .await;
+        // A gateway that joins now, with the engine idle, learns the same from the replay
+        // buffer at once (it does not wait for the engine's next batch).
+        let late = start_gateway_at(&[replica.host_port()], |c| {
+            c.engines = vec![config::gateway::EngineSpec {
+                addr: replica.host_port(),
+                backend: config::gateway::Backend::Vllm,
+                kv_events: Some(pub_ep.clone()),
+                kv_replay: Some(replay_ep.clone()),
+            }];
+        })
+        .await;
+        wait_live(&late).await;
+        assert_probes(&late, &probes, |p| {
+            (
+                p["expected_blocks"].as_u64().unwrap(),
+                p["expected_offloaded"].as_u64().unwrap(),
+            )
+        })
+        .await;
+        drop(late);
         // The engine restarts: its sequence starts again at 0 with an empty cache.
         drop(publisher);
         let empty = std::env::temp_dir().join(format!("kvgate-empty-{}.json", std::process::id()));

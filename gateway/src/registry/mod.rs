@@ -192,9 +192,10 @@ impl ReplicaHandle {
         self.retired.load(Ordering::Relaxed)
     }
 
-    /// Whether the KV event stream is connected (index exact for this replica).
+    /// Whether the KV event stream is connected and indexed (index exact for this replica):
+    /// not while an error (a block size that differs) keeps its events out.
     pub fn events_live(&self) -> bool {
-        self.events_live.load(Ordering::Relaxed)
+        self.events_live.load(Ordering::Relaxed) && self.events_error.lock().is_none()
     }
 
     /// Why its KV events cannot be indexed, if they cannot.
@@ -598,6 +599,14 @@ impl Registry {
                         zmq_events::follow(&source, rep.slot, &index, &mut translator, &*rep).await;
                     if rep.events_live.swap(false, Ordering::Relaxed) {
                         tracing::info!(replica = %rep.name, reason = ?outcome, "ZMQ KV event stream lost; resyncing");
+                    }
+                    // A stream that cannot even be followed (a wrong endpoint) is named, not
+                    // left to look like an idle engine.
+                    if let Err(e) = &outcome {
+                        zmq_events::EventSink::set_error(
+                            &*rep,
+                            Some(format!("cannot follow {}: {e}", source.events)),
+                        );
                     }
                     index.clear_exact(rep.slot);
                     tokio::time::sleep(Duration::from_millis(500)).await;
