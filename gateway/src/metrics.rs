@@ -24,7 +24,8 @@ pub struct ReplicaMetrics {
     pub prompt_tokens: Counter,
     pub predicted_hit_tokens: Counter,
     pub in_flight: Gauge,
-    /// 1 while its KV events keep the index exact (connected, no error), else 0.
+    /// 0 while the replica should publish KV events and they do not keep the index exact
+    /// (not connected, or an error keeps them out); 1 otherwise.
     pub kv_events_live: Gauge,
     /// Observed ÷ predicted time to first token of the requests placed there.
     pub ttft_prediction_ratio: Histogram,

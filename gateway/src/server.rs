@@ -194,8 +194,8 @@ pub async fn build_gateway(
                 let m = r.metrics();
                 m.healthy.set(if r.is_healthy() { 1.0 } else { 0.0 });
                 m.in_flight.set(f64::from(r.load().in_flight));
-                m.kv_events_live
-                    .set(if r.events_live() { 1.0 } else { 0.0 });
+                let indexed = r.events_live() || !reg.expects_events(r);
+                m.kv_events_live.set(if indexed { 1.0 } else { 0.0 });
             }
             reg.index.expire(reg.now_s(), s_max_ttl(&cfg_ttls(&s)));
             for rt in s.policies.runtimes() {

@@ -250,10 +250,27 @@ async fn a_block_size_that_differs_is_named_on_the_admin_api() {
         if let Some(e) = v[0]["kv_events_error"].as_str() {
             assert!(e.contains("blocks of 16 tokens"), "{e}");
             assert!(e.contains("hashes blocks of 32"), "{e}");
+            assert_eq!(
+                v[0]["kv_events"], false,
+                "not indexed while the error stands"
+            );
             break;
         }
         assert!(Instant::now() < deadline, "no error named: {v}");
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The gauge alerts read says so too (sampled every second).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = gw.metrics_text().await;
+        if text
+            .lines()
+            .any(|l| l.starts_with("kvgate_gateway_replica_kv_events_live{") && l.ends_with(" 0"))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no live gauge at 0 in\n{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

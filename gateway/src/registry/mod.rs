@@ -332,6 +332,15 @@ impl Registry {
         }
     }
 
+    /// Whether `r` is expected to publish KV events: it has a ZMQ endpoint, or it is a kvgate
+    /// replica and the gateway follows events.
+    pub fn expects_events(&self, r: &ReplicaHandle) -> bool {
+        match self.engine(&r.name) {
+            Some(e) if e.kv_events.is_some() => true,
+            _ => self.cfg.index.kv_events && self.backend(r) == Backend::Kvgate,
+        }
+    }
+
     /// Adopts the engine tables of a reloaded file (for replicas that join from now on).
     pub fn set_engines(&self, specs: &[EngineSpec]) {
         *self.engines.write() = specs.iter().map(|e| (e.addr.clone(), e.clone())).collect();
