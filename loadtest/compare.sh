@@ -5,6 +5,7 @@
 #   loadtest/compare.sh [--smoke] [--out DIR] [extra `kvgate bench` args, which override ours]
 # Env: KVGATE_BIN (default target/release/kvgate, built if missing), KVGATE_RATES (4,8,12),
 #   KVGATE_TIME_SCALE (1), KVGATE_REPLICAS (8; 2 with --smoke), KVGATE_REPLICA_ARGS,
+#   KVGATE_ACCESS_LOG (1: each kvgate gateway writes a full access log under the logs folder),
 #   KVGATE_SGLANG_VENV (.venv-sglang), KVGATE_SGLANG_ARGS (appended to launch_router),
 #   KVGATE_SGLANG=0 (leave sglang-router out), KVGATE_SGLANG_VARIANTS ("name=extra args;..."
 #   one sglang-router per entry, default "sglang_cache_aware=$KVGATE_SGLANG_ARGS"),
@@ -152,7 +153,12 @@ targets=()
 replicas_toml=$(printf '"%s", ' "${replica_addrs[@]}")
 replicas_toml="[${replicas_toml%, }]"
 start_gateway() { # NAME KIND KV_EVENTS [POLICY_FILE]
-  local name=$1 port admin pid policy
+  local name=$1 port admin pid policy access_log=
+  # KVGATE_ACCESS_LOG=1: every request's decision (route reason, predicted TTFT, replica) in
+  # $logs/access-NAME.jsonl, for reading why a router chose what it chose.
+  if [ "${KVGATE_ACCESS_LOG:-0}" = 1 ]; then
+    access_log=$(printf '[access_log]\nmode = "full"\npath = "%s"' "$logs/access-$name.jsonl")
+  fi
   port=$(free_port)
   admin=$(free_port)
   if [ -n "${4:-}" ]; then
@@ -177,6 +183,7 @@ tokenizer_dir = "$tokenizer"
 kv_events = $3
 [policy]
 kind = "$2"
+$access_log
 TOML
   "$bin" gateway --config "$work/$name.toml" >"$logs/gateway-$name.log" 2>&1 &
   pid=$!

@@ -106,6 +106,7 @@ fn bench(c: &mut Criterion) {
         .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
         .unwrap();
     let d = decide(&warm, &p);
+    warm.speculate(d.replica, &p);
     warm.commit(policy.name(), &p, &d);
     g.bench_function("warm_segment_cache", |b| {
         b.iter(|| {

@@ -331,11 +331,18 @@ impl Router {
             .offloaded_lengths(&p.hashes[..p.cacheable], matched)
     }
 
-    /// Records a decision that will be sent: speculative index insert and metrics.
-    pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
+    /// The speculative index insert: `p`'s blocks are taken to be at `replica` from the moment
+    /// it is sent there, so the requests right behind it (a burst sharing a prefix) find the
+    /// holder before its prefill finishes and its own KV events arrive. Short-lived for replicas
+    /// with live events (`speculative_ttl_s`).
+    pub fn speculate(&self, replica: usize, p: &Prepared) {
         self.registry
             .index
-            .record_routed(d.replica, &p.hashes, self.registry.now_s());
+            .record_routed(replica, &p.hashes, self.registry.now_s());
+    }
+
+    /// Records a decision whose replica answered: metrics.
+    pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
         self.metrics.decision(policy, d.reason.label());
         if let Some(r) = self.registry.replica(d.replica) {
             r.metrics().prompt_tokens.increment(p.prompt_tokens as u64);
