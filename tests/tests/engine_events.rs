@@ -105,10 +105,9 @@ async fn wait_live(gw: &Gateway) {
     }
 }
 
-/// (GPU blocks, offloaded blocks after them) the gateway matches for `prompt`.
-async fn matched(gw: &Gateway, prompt: &Value) -> (u64, u64) {
-    let e: Value = gw
-        .client
+/// The gateway's explain answer for `prompt` (token ids or text).
+async fn explain(gw: &Gateway, prompt: &Value) -> Value {
+    gw.client
         .post(format!("{}/admin/route/explain", gw.admin))
         .json(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1}))
         .send()
@@ -116,7 +115,22 @@ async fn matched(gw: &Gateway, prompt: &Value) -> (u64, u64) {
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Every replica's matched blocks for `prompt`.
+async fn per_replica(gw: &Gateway, prompt: String) -> Vec<u64> {
+    explain(gw, &Value::from(prompt)).await["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["matched_blocks"].as_u64().unwrap())
+        .collect()
+}
+
+/// (GPU blocks, offloaded blocks after them) the gateway matches for `prompt`.
+async fn matched(gw: &Gateway, prompt: &Value) -> (u64, u64) {
+    let e = explain(gw, prompt).await;
     let r = &e["replicas"][0];
     let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {e}"));
     (n("matched_blocks"), n("offloaded_blocks"))
@@ -386,34 +400,14 @@ async fn kvgate_replicas_over_zmq_index_like_over_http() {
         probes.push(prompt);
     }
     probes.push("A prompt nobody sent, long enough to span two blocks at least.".repeat(3));
-    let explain = |gw: &Gateway, prompt: String| {
-        let (client, admin) = (gw.client.clone(), gw.admin.clone());
-        async move {
-            let e: Value = client
-                .post(format!("{admin}/admin/route/explain"))
-                .json(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            e["replicas"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|r| r["matched_blocks"].as_u64().unwrap())
-                .collect::<Vec<u64>>()
-        }
-    };
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let mut same = true;
         let mut seen = Vec::new();
         for p in &probes {
             let (a, b) = (
-                explain(&http, p.clone()).await,
-                explain(&zmq, p.clone()).await,
+                per_replica(&http, p.clone()).await,
+                per_replica(&zmq, p.clone()).await,
             );
             same &= a == b;
             seen.push((a, b));
