@@ -5,6 +5,7 @@
 
 pub mod api_keys;
 pub mod error;
+pub mod fleet;
 pub mod gateway;
 pub mod policy;
 pub mod routes;
