@@ -16,14 +16,23 @@
 //! - [`matrix`]: weight matrices and the threaded `x · Wᵀ`.
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU, softmax.
 //! - [`attention`]: the paged KV cache and attention over a sequence's blocks.
+//! - [`plan`]: a step laid out as flat arrays for a device (tiles, slots, packed block tables).
+//! - [`cuda_program`]: the CUDA C sources (`kernels/cuda/`) as one NVRTC program.
+//! - `gpu` (feature `cuda`): the device runtime — driver probe, NVRTC, kernel launches, cuBLAS.
 
 pub mod attention;
+pub mod cuda_program;
 pub mod dot;
 pub mod kquant;
 pub mod matrix;
 pub mod ops;
+pub mod plan;
 pub mod quant;
 
 pub use attention::{AttentionShape, PagedKvCache};
 pub use matrix::{matmul, matmul_many, Activations, Matrix, MatrixError};
+pub use plan::{SeqSlice, StepPlan};
 pub use quant::Format;
+
+#[cfg(feature = "gpu")]
+pub mod gpu;
