@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's one test command: fetches the default model files (checksummed, idempotent),
 # makes sure the Python packages the end-to-end tests use are there (the openai SDK; pyzmq and
-# msgspec for the KV event publisher), builds the binary the process-level tests start, runs
+# msgspec for the KV event publisher; NVRTC for the CUDA kernels' compile check), builds the binary the process-level tests start, runs
 # every test in the workspace and closes with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,15 @@ fi
 if ! python3 -c 'import zmq, msgspec' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check pyzmq msgspec
 fi
+
+# NVRTC (PyPI's nvidia-cuda-nvrtc: the library alone, no GPU needed) compiles every CUDA kernel
+# in the suite (kernels/tests/cuda_compile.rs), so a kernel that does not compile fails here.
+nvrtc="${KVGATE_NVRTC_DIR:-$HOME/.cache/kvgate/nvrtc}"
+if [ ! -e "$nvrtc/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$nvrtc" "nvidia-cuda-nvrtc==13.*"
+fi
+export LD_LIBRARY_PATH="$nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KVGATE_REQUIRE_NVRTC=1
 
 # The alert rules must load in Prometheus (promtool comes with Debian's `prometheus`).
 if command -v promtool >/dev/null; then

@@ -180,8 +180,10 @@ struct ModelArgs {
 
 #[derive(Args)]
 struct ReplicaArgs {
-    /// Engine backend: sim (the real scheduler, roofline-timed steps) or cpu (a real Llama
-    /// model from a GGUF file or Hugging Face folder given by --model). cuda is not built yet.
+    /// Engine backend: sim (the real scheduler, roofline-timed steps), cpu (a real Llama
+    /// model from a GGUF file or Hugging Face folder given by --model) or cuda (the same model
+    /// on the first visible NVIDIA GPU; KV cache sized by --gpu-memory-utilization unless
+    /// --num-gpu-blocks is given).
     #[arg(long, default_value = "sim")]
     backend: String,
     /// cpu backend: compute threads (default: every core).
@@ -279,9 +281,10 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     let backend = BackendKind::parse(&a.backend)
         .ok_or_else(|| anyhow!("--backend must be sim, cpu or cuda, got `{}`", a.backend))?;
     let mut model = a.model.model.clone();
-    if backend == BackendKind::Cpu && !std::path::Path::new(&model).exists() {
+    let real = matches!(backend, BackendKind::Cpu | BackendKind::Cuda);
+    if real && !std::path::Path::new(&model).exists() {
         if model != "qwen3-8b" {
-            bail!("--model {model}: no such file or folder (the cpu backend takes a GGUF file or a Hugging Face folder)");
+            bail!("--model {model}: no such file or folder (the {} backend takes a GGUF file or a Hugging Face folder)", a.backend);
         }
         model = up::default_model_file()
             .ok_or_else(|| {
@@ -292,7 +295,7 @@ async fn run_replica(a: ReplicaArgs) -> Result<()> {
     }
     let tokenizer_dir = match (a.tokenizer, backend) {
         (Some(d), _) => d,
-        (None, BackendKind::Cpu) => PathBuf::from(&model),
+        (None, BackendKind::Cpu | BackendKind::Cuda) => PathBuf::from(&model),
         (None, _) => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
             anyhow!("no tokenizer found: run scripts/fetch-models.sh or pass --tokenizer DIR")
         })?,

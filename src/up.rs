@@ -14,11 +14,11 @@ use crate::{serve_gateway, served_model_name, shutdown_signal};
 
 #[derive(Args)]
 pub(crate) struct UpArgs {
-    /// Replica backend: sim (4 simulated replicas) or cpu (2 replicas of a real model, the
-    /// machine's cores split between them).
+    /// Replica backend: sim (4 simulated replicas), cpu (2 replicas of a real model, the
+    /// machine's cores split between them) or cuda (one replica per GPU; default 1).
     #[arg(long, default_value = "sim")]
     backend: String,
-    /// Number of replicas (default: 4 for sim, 2 for cpu).
+    /// Number of replicas (default: 4 for sim, 2 for cpu, 1 for cuda).
     #[arg(long)]
     replicas: Option<usize>,
     /// Gateway port (0: any free port).
@@ -27,7 +27,7 @@ pub(crate) struct UpArgs {
     /// Admin/metrics port (0: any free port).
     #[arg(long, default_value_t = 9090)]
     admin_port: u16,
-    /// Replica model: a profile for sim; for cpu a GGUF file or Hugging Face folder
+    /// Replica model: a profile for sim; for cpu and cuda a GGUF file or Hugging Face folder
     /// (default: models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf).
     #[arg(long, default_value = "qwen3-8b")]
     model: String,
@@ -143,6 +143,10 @@ async fn start_replicas(
         if let Some(t) = fleet.threads {
             cmd.arg("--threads").arg(t.to_string());
         }
+        if fleet.backend == "cuda" {
+            // One GPU each: replica i sees only the i-th of the GPUs this process may use.
+            cmd.env("CUDA_VISIBLE_DEVICES", cuda_device(i));
+        }
         let tokenizer = &fleet.tokenizer;
         cmd.arg("--replica-id")
             .arg(format!("replica-{i}"))
@@ -200,7 +204,7 @@ struct Fleet {
 
 fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
     let backend = BackendKind::parse(&a.backend)
-        .ok_or_else(|| anyhow!("--backend must be sim or cpu, got `{}`", a.backend))?;
+        .ok_or_else(|| anyhow!("--backend must be sim, cpu or cuda, got `{}`", a.backend))?;
     match backend {
         BackendKind::Sim => {
             let replicas = a.replicas.unwrap_or(4);
@@ -221,9 +225,13 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 embedded_policy: config::routes::DEFAULT_POLICY,
             })
         }
-        BackendKind::Cpu => {
+        BackendKind::Cpu | BackendKind::Cuda => {
+            let cuda = backend == BackendKind::Cuda;
+            if cuda {
+                cuda_available()?;
+            }
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let replicas = a.replicas.unwrap_or(2);
+            let replicas = a.replicas.unwrap_or(if cuda { 1 } else { 2 });
             if replicas == 0 || replicas > cores.max(2) * 4 {
                 bail!(
                     "--replicas must be between 1 and {} on this machine",
@@ -249,17 +257,47 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into());
             Ok(Fleet {
-                backend: "cpu",
+                backend: if cuda { "cuda" } else { "cpu" },
                 replicas,
                 model: model.display().to_string(),
                 tokenizer,
                 served_model_name,
-                // Real replicas split the cores rather than fight over them.
-                threads: Some((cores / replicas).max(1)),
-                embedded_policy: config::routes::CPU_POLICY,
+                // Real CPU replicas split the cores rather than fight over them.
+                threads: (!cuda).then_some((cores / replicas).max(1)),
+                // The CPU's promises are loose; a GPU keeps the default ones.
+                embedded_policy: if cuda {
+                    config::routes::DEFAULT_POLICY
+                } else {
+                    config::routes::CPU_POLICY
+                },
             })
         }
-        BackendKind::Cuda => bail!("the cuda backend is not built yet; use --backend sim or cpu"),
+    }
+}
+
+/// Refuses `--backend cuda` in one line where it cannot run: no CUDA support in this build, no
+/// driver, or no GPU.
+#[cfg(any(feature = "cuda", feature = "cuda12"))]
+fn cuda_available() -> Result<()> {
+    replica::cuda::probe()
+        .map(|_| ())
+        .map_err(|e| anyhow!("--backend cuda: {e}"))
+}
+
+#[cfg(not(any(feature = "cuda", feature = "cuda12")))]
+fn cuda_available() -> Result<()> {
+    bail!("--backend cuda: this kvgate was built without CUDA support; rebuild with `cargo build --release --features cuda` (CUDA 13) or `--features cuda12`")
+}
+
+/// The `CUDA_VISIBLE_DEVICES` value of cuda replica `i`: the i-th entry of this process's own
+/// list when it has one, else GPU `i`.
+fn cuda_device(i: usize) -> String {
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(list) if !list.trim().is_empty() => {
+            let ids: Vec<&str> = list.split(',').map(str::trim).collect();
+            ids[i % ids.len()].to_string()
+        }
+        _ => i.to_string(),
     }
 }
 

@@ -30,7 +30,7 @@ pub mod plan;
 pub mod quant;
 
 pub use attention::{AttentionShape, PagedKvCache};
-pub use matrix::{matmul, matmul_many, Activations, Matrix, MatrixError};
+pub use matrix::{matmul, matmul_many, Activations, Matrix, MatrixError, Stored};
 pub use plan::{SeqSlice, StepPlan};
 pub use quant::Format;
 

@@ -36,6 +36,13 @@ enum Storage {
     },
 }
 
+/// A matrix's values as held: dense f32 (row-major), or quantised blocks in its [`Format`].
+#[derive(Debug, Clone, Copy)]
+pub enum Stored<'a> {
+    Dense(&'a [f32]),
+    Quant(&'a [u8]),
+}
+
 /// A `rows × cols` weight matrix (rows = output features, cols = input features).
 pub struct Matrix {
     format: Format,
@@ -120,6 +127,17 @@ impl Matrix {
 
     pub fn cols(&self) -> usize {
         self.cols
+    }
+
+    /// The matrix as stored: its dense f32 values, or its quantised rows' bytes (what a device
+    /// uploads and dequantises itself).
+    pub fn stored(&self) -> Stored<'_> {
+        match &self.storage {
+            Storage::Dense(v) => Stored::Dense(v),
+            Storage::Quant { bytes, offset, len } => {
+                Stored::Quant(&(**bytes).as_ref()[*offset..offset + len])
+            }
+        }
     }
 
     /// Bytes the matrix occupies as stored (what a forward pass streams through).

@@ -110,8 +110,8 @@ pub enum BuildError {
     Tokenizer { dir: String, reason: String },
     #[error("cannot load the model: {0}")]
     Model(String),
-    #[error("the `{0}` backend is not built yet; use `--backend sim` or `--backend cpu`")]
-    BackendUnavailable(&'static str),
+    #[error("{0}")]
+    BackendUnavailable(String),
     #[error("invalid setting: {0}")]
     Invalid(String),
     #[error("cannot read the listener's address: {0}")]
@@ -267,8 +267,19 @@ fn context_limit(cfg: &ReplicaConfig, native: usize, num_blocks: usize) -> usize
     max_model_len
 }
 
-/// The real model on CPU: weights from `cfg.model` (a GGUF file or a Hugging Face folder).
-async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
+/// A real model's files, loaded for the `cpu` or `cuda` backend.
+struct RealModel {
+    path: PathBuf,
+    weights: Arc<LlamaWeights>,
+    tokenizer: Arc<TextTokenizer>,
+    stop_token_ids: Vec<u32>,
+    /// The served name when none is given: the file's stem.
+    stem: String,
+}
+
+/// Weights from `cfg.model` (a GGUF file or a Hugging Face folder), the tokenizer, and the
+/// tokens that end a turn.
+async fn load_real_model(cfg: &ReplicaConfig) -> Result<RealModel, BuildError> {
     let path = PathBuf::from(&cfg.model);
     let p = path.clone();
     let weights =
@@ -286,6 +297,40 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
             weights.config.vocab_size
         )));
     }
+    let stop_token_ids = if path.is_file() {
+        protocol::gguf::GgufHeader::open(&path)
+            .map(|h| protocol::gguf_tokenizer::stop_token_ids(&h))
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let stop_token_ids = if stop_token_ids.is_empty() {
+        tokenizer.eos_token_id().into_iter().collect()
+    } else {
+        stop_token_ids
+    };
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    Ok(RealModel {
+        path,
+        weights,
+        tokenizer,
+        stop_token_ids,
+        stem,
+    })
+}
+
+/// The real model on CPU.
+async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
+    let RealModel {
+        path,
+        weights,
+        tokenizer,
+        stop_token_ids,
+        stem,
+    } = load_real_model(cfg).await?;
     let per_token = CpuBackend::kv_bytes_per_token(&weights);
     let num_blocks = match cfg.num_gpu_blocks {
         Some(n) => n,
@@ -301,18 +346,6 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
     let threads = cfg.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
-    let stop_token_ids = if path.is_file() {
-        protocol::gguf::GgufHeader::open(&path)
-            .map(|h| protocol::gguf_tokenizer::stop_token_ids(&h))
-            .unwrap_or_default()
-    } else {
-        Vec::new()
-    };
-    let stop_token_ids = if stop_token_ids.is_empty() {
-        tokenizer.eos_token_id().into_iter().collect()
-    } else {
-        stop_token_ids
-    };
     let mut backend = CpuBackend::new(weights.clone(), cfg.block_size, num_blocks, threads)
         .map_err(|e| BuildError::Invalid(e.to_string()))?;
     // Time one prefill chunk (and fault the weights in) before serving.
@@ -323,10 +356,6 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
     })
     .await
     .map_err(|e| BuildError::Invalid(e.to_string()))?;
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
     tracing::info!(
         model = %path.display(),
         weights_mib = weights.bytes() >> 20,
@@ -347,6 +376,77 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
         kv_cache_dtype: "f16",
         stop_token_ids,
     })
+}
+
+/// The real model on an NVIDIA GPU (feature `cuda`).
+#[cfg(feature = "gpu")]
+async fn cuda_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
+    use crate::cuda::{CudaBackend, KvBlocks};
+    // Before anything touches CUDA: no driver or no GPU is a one-line refusal.
+    crate::cuda::probe()
+        .map_err(|e| BuildError::BackendUnavailable(format!("--backend cuda: {e}")))?;
+    if !(cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) {
+        return Err(BuildError::Invalid(format!(
+            "--gpu-memory-utilization must be in (0, 1], got {}",
+            cfg.gpu_memory_utilization
+        )));
+    }
+    let RealModel {
+        path,
+        weights,
+        tokenizer,
+        stop_token_ids,
+        stem,
+    } = load_real_model(cfg).await?;
+    let blocks = match cfg.num_gpu_blocks {
+        Some(n) => KvBlocks::Count(n),
+        None => KvBlocks::MemoryFraction(cfg.gpu_memory_utilization),
+    };
+    let (block_size, tokens, seqs) = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs);
+    let probe = tokens.min(512);
+    let w = weights.clone();
+    let (backend, rate) = tokio::task::spawn_blocking(move || {
+        let mut b = CudaBackend::new(0, &w, block_size, blocks, tokens, seqs)?;
+        let rate = b.measure_prefill(probe)?;
+        Ok::<_, kernels::gpu::GpuError>((b, rate))
+    })
+    .await
+    .map_err(|e| BuildError::Invalid(e.to_string()))?
+    .map_err(|e| BuildError::BackendUnavailable(format!("--backend cuda: {e}")))?;
+    let num_blocks = backend.num_blocks();
+    let max_model_len = context_limit(cfg, weights.config.max_position, num_blocks);
+    let device = backend.device_name().to_string();
+    if let Ok(m) = backend.memory() {
+        tracing::info!(
+            model = %path.display(),
+            device = %device,
+            weights_mib = m.weights >> 20,
+            kv_cache_mib = m.kv_cache >> 20,
+            num_blocks,
+            prefill_tokens_per_s = rate.round(),
+            "cuda backend loaded"
+        );
+    }
+    Ok(BackendParts {
+        backend: Box::new(backend),
+        tokenizer,
+        num_blocks,
+        max_model_len,
+        prefill_tokens_per_s: Some(rate),
+        served_model_name: cfg.served_model_name.clone().unwrap_or(stem),
+        model_profile: format!("llama ({})", path.display()),
+        device,
+        kv_cache_dtype: "f16",
+        stop_token_ids,
+    })
+}
+
+/// This build has no CUDA support: `--backend cuda` is refused in one line.
+#[cfg(not(feature = "gpu"))]
+async fn cuda_parts(_cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
+    Err(BuildError::BackendUnavailable(
+        "--backend cuda: this kvgate was built without CUDA support; rebuild with `cargo build --release --features cuda` (CUDA 13) or `--features cuda12`".into(),
+    ))
 }
 
 /// Builds the engine and the HTTP server on `listener`; spawns the engine task.
@@ -372,7 +472,7 @@ pub async fn build_server(
     let parts = match cfg.backend {
         BackendKind::Sim => sim_parts(&cfg).await?,
         BackendKind::Cpu => cpu_parts(&cfg).await?,
-        BackendKind::Cuda => return Err(BuildError::BackendUnavailable("cuda")),
+        BackendKind::Cuda => cuda_parts(&cfg).await?,
     };
     let BackendParts {
         backend,

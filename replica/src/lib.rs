@@ -2,7 +2,8 @@
 //! [`scheduler`] over a paged, prefix-caching [`block_manager`], driven by the [`engine`] loop
 //! through an [`backend::EngineBackend`] — `sim` models step times with the [`roofline`] — and
 //! served over HTTP by [`server`]. [`app::build_server`] assembles it all. The `cpu` backend
-//! ([`cpu`]) runs a real Llama-architecture [`model`] on the same paged KV cache.
+//! ([`cpu`]) runs a real Llama-architecture [`model`] on the same paged KV cache; the `cuda`
+//! backend (module `cuda`, feature `cuda`) runs the same model and cache layout on an NVIDIA GPU.
 // One exception, with its SAFETY note: memory-mapping model files (`model::weights`).
 #![deny(unsafe_code)]
 
@@ -12,6 +13,8 @@ pub mod backend;
 pub mod block_manager;
 pub mod capacity;
 pub mod cpu;
+#[cfg(feature = "gpu")]
+pub mod cuda;
 pub mod engine;
 pub mod generate;
 pub mod http_util;

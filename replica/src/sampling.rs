@@ -61,6 +61,12 @@ fn log_softmax_norm(logits: &[f32]) -> (f32, f32) {
     (max, sum.ln() as f32)
 }
 
+/// The uniform draw in [0, 1) that picks output token number `index` of a request (the same
+/// for every backend: the `cuda` backend's device sampler receives it from here).
+pub fn uniform_draw(p: &SamplingParams, index: usize) -> f32 {
+    unit(splitmix64(p.seed ^ splitmix64(index as u64 ^ 0x7361_6d70)))
+}
+
 /// Samples output token number `index` of a sequence.
 pub fn sample(logits: &[f32], p: &SamplingParams, index: usize) -> (u32, Option<TokenLogprobs>) {
     let token = if p.temperature <= 0.0 || p.top_k == 1 {
@@ -123,7 +129,7 @@ fn draw(logits: &[f32], p: &SamplingParams, index: usize) -> u32 {
     }
     probs.truncate(keep);
     let total: f64 = probs.iter().sum();
-    let u = unit(splitmix64(p.seed ^ splitmix64(index as u64 ^ 0x7361_6d70))) as f64 * total;
+    let u = uniform_draw(p, index) as f64 * total;
     let mut cum = 0.0;
     for (i, q) in probs.iter().enumerate() {
         cum += q;

@@ -186,14 +186,47 @@ async fn the_real_engine_reports_logprobs_and_stops_at_end_of_turn() {
     assert_eq!(tokens, 5);
 }
 
+/// Where no GPU is (CI), `--backend cuda` is refused in one line, by a replica and by
+/// `kvgate up` alike; where one is, the replica starts (and is stopped here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_cuda_backend_says_it_is_not_built_yet() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut cfg = replica::ReplicaConfig::new(tokenizer_dir());
-    cfg.backend = replica::backend::BackendKind::Cuda;
-    let err = match replica::build_server(cfg, listener).await {
-        Ok(_) => panic!("a cuda replica must not start"),
-        Err(e) => e.to_string(),
-    };
-    assert!(err.contains("`cuda` backend is not built yet"), "{err}");
+async fn the_cuda_backend_without_a_gpu_is_refused_in_one_line() {
+    for args in [
+        &["replica", "--backend", "cuda", "--port", "0"][..],
+        &[
+            "up",
+            "--backend",
+            "cuda",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ][..],
+    ] {
+        let out = tokio::time::timeout(
+            std::time::Duration::from_secs(120),
+            tokio::process::Command::new(kvgate_binary())
+                .args(args)
+                .env("RUST_BACKTRACE", "0")
+                .env("KVGATE_FLEET_TOKEN", "test-token")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await;
+        let Ok(out) = out else {
+            // Still running: it found a GPU and is serving.
+            eprintln!("{args:?}: a GPU is here, the refusal does not apply");
+            continue;
+        };
+        let out = out.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
+        assert!(
+            lines[0].starts_with("Error: --backend cuda: ")
+                && (lines[0].contains("no NVIDIA driver")
+                    || lines[0].contains("without CUDA support")),
+            "{args:?}: {stderr}"
+        );
+    }
 }

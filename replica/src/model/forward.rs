@@ -17,18 +17,7 @@ use super::weights::LlamaWeights;
 /// Tokens of one sequence whose attention shares one pass over the cached blocks.
 const ATTENTION_TILE: usize = 16;
 
-/// One sequence's share of a step.
-#[derive(Debug, Clone)]
-pub struct SeqSlice<'a> {
-    /// The tokens computed in this step.
-    pub tokens: &'a [u32],
-    /// Position of `tokens[0]` in the sequence (tokens before it are in the cache).
-    pub start: usize,
-    /// The sequence's block table, covering at least `start + tokens.len()` positions.
-    pub table: &'a [u32],
-    /// Whether to return logits for the last token.
-    pub logits: bool,
-}
+pub use kernels::SeqSlice;
 
 /// Runs the step; returns the last-token logits of each slice that asked for them, in order.
 pub fn forward(w: &LlamaWeights, kv: &mut PagedKvCache, seqs: &[SeqSlice<'_>]) -> Vec<Vec<f32>> {

@@ -6,6 +6,7 @@
 pub mod config;
 pub mod forward;
 pub mod safetensors;
+pub mod synthetic;
 pub mod weights;
 
 pub use config::LlamaConfig;

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The cuda backend's check on an NVIDIA GPU, in one run (under 10 minutes):
+#   1. every kernel compiles with NVRTC for this GPU generation and its neighbours;
+#   2. the GPU tests: logits against the cpu backend for 10 prompts, greedy tokens for 32 steps,
+#      prefix reuse on the GPU, a batch of 64 mixed prefill/decode sequences, top-p sampling;
+#   3. the benchmarks (replica/examples/cuda_bench.rs): decode tokens/s at batch 1, 64 and 256,
+#      the paged-attention kernel's bandwidth against a device-to-device copy, and the sim
+#      roofline's predicted step times against the measured ones;
+#   4. `kvgate up --backend cuda` serving a chat completion through the gateway.
+# Missing a GPU, NVRTC or cuBLAS is a failure here (KVGATE_REQUIRE_GPU, KVGATE_REQUIRE_NVRTC).
+#
+#   scripts/gpu-check.sh                 build with cargo (--features cuda), then check
+#   scripts/gpu-check.sh --pack DIR      build here (no GPU needed) and put the binaries in DIR
+#   scripts/gpu-check.sh --prebuilt DIR  check with binaries packed earlier (a GPU machine
+#                                        without a Rust toolchain)
+# Results go to $OUT when set (else target/gpu-check/): gpu-bench.md and the full log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=build
+bin=""
+case "${1:-}" in
+  --pack) mode=pack; bin="${2:?--pack DIR}" ;;
+  --prebuilt) mode=prebuilt; bin="${2:?--prebuilt DIR}" ;;
+  "") ;;
+  *) echo "usage: $0 [--pack DIR | --prebuilt DIR]" >&2; exit 2 ;;
+esac
+
+# The test and example executables cargo just built, by name (newest first).
+built() {
+  cargo "$@" --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])'
+}
+
+build_into() {
+  local dir=$1
+  mkdir -p "$dir"
+  cargo build --release --locked --features cuda --bin kvgate
+  cp target/release/kvgate "$dir/"
+  built test --release --locked -p kernels --features cuda --test cuda_compile --no-run \
+    | awk '$1=="cuda_compile"{print $2}' | head -1 | xargs -I{} cp {} "$dir/cuda_compile"
+  built test --release --locked -p replica --features cuda --test cuda_backend --no-run \
+    | awk '$1=="cuda_backend"{print $2}' | head -1 | xargs -I{} cp {} "$dir/cuda_backend"
+  cargo build --release --locked -p replica --features cuda --example cuda_bench --example synthetic_model
+  cp target/release/examples/cuda_bench target/release/examples/synthetic_model "$dir/"
+  strip "$dir"/* 2>/dev/null || true
+  cp "$0" "$dir/"
+  ls -la "$dir"
+}
+
+if [ "$mode" = pack ]; then
+  build_into "$bin"
+  echo "packed; on the GPU machine: scripts/gpu-check.sh --prebuilt $bin"
+  exit 0
+fi
+if [ "$mode" = build ]; then
+  bin=target/gpu-check/bin
+  build_into "$bin"
+fi
+
+out="${OUT:-target/gpu-check}"
+mkdir -p "$out"
+log="$out/gpu-check.log"
+exec > >(tee "$log") 2>&1
+
+# NVRTC and cuBLAS: the toolkit's, or the pip wheels' (nvidia-cuda-nvrtc, nvidia-cublas).
+libs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for r in roots:
+    for d in glob.glob(os.path.join(r, "nvidia", "*", "lib")) + glob.glob(os.path.join(r, "nvidia", "*", "*", "lib")):
+        print(d)
+PY
+) "$HOME/.cache/kvgate/nvrtc/nvidia/cu13/lib"; do
+  [ -d "$d" ] && libs="$libs:$d"
+done
+export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KVGATE_REQUIRE_GPU=1 KVGATE_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
+
+echo "== device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+status=0
+echo "== 1. kernels compile (NVRTC)"
+"$bin/cuda_compile" --nocapture || status=1
+echo "== 2. GPU tests against the cpu backend"
+"$bin/cuda_backend" --nocapture --test-threads=1 || status=1
+echo "== 3. benchmarks"
+KVGATE_BENCH_OUT="$out/gpu-bench.md" "$bin/cuda_bench" h200 llama-3.1-8b || status=1
+echo "== 4. kvgate up --backend cuda"
+model=$(mktemp -d)/synthetic
+tok=models/qwen3
+if [ -f "$tok/tokenizer.json" ]; then
+  vocab=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(max(t["model"]["vocab"].values())+1+len(t.get("added_tokens",[])))' "$tok/tokenizer.json")
+  "$bin/synthetic_model" "$model" "$((vocab + 256))"
+  upl=$(mktemp)
+  "$bin/kvgate" up --backend cuda --model "$model" --tokenizer "$tok" --port 0 --admin-port 0 >"$upl" 2>&1 &
+  up=$!
+  url=""
+  for _ in $(seq 1 240); do
+    url=$(grep -o 'gateway ready at http://[0-9.:]*' "$upl" | sed 's/gateway ready at //' || true)
+    [ -n "$url" ] && break
+    kill -0 $up 2>/dev/null || break
+    sleep 0.5
+  done
+  if [ -n "$url" ]; then
+    body='{"model":"synthetic","messages":[{"role":"user","content":"Hello!"}],"max_tokens":16}'
+    if curl -sf "$url/v1/chat/completions" -H 'content-type: application/json' -d "$body" | tee "$out/chat.json"; then
+      echo; echo "served through the gateway by a cuda replica"
+    else
+      echo "the chat completion failed"; status=1
+    fi
+  else
+    echo "kvgate up --backend cuda did not become ready:"; status=1
+  fi
+  kill $up 2>/dev/null || true
+  wait $up 2>/dev/null || true
+  tail -20 "$upl"
+else
+  echo "skipped: $tok/tokenizer.json is not here (carry models/qwen3)"
+fi
+echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED)"
+exit $status
