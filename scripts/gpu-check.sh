@@ -99,7 +99,7 @@ if [ -f "$tok/tokenizer.json" ]; then
   vocab=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(max(t["model"]["vocab"].values())+1+len(t.get("added_tokens",[])))' "$tok/tokenizer.json")
   "$bin/synthetic_model" "$model" "$((vocab + 256))"
   upl=$(mktemp)
-  "$bin/kvgate" up --backend cuda --model "$model" --tokenizer "$tok" --port 0 --admin-port 0 >"$upl" 2>&1 &
+  RUST_BACKTRACE=0 "$bin/kvgate" up --backend cuda --model "$model" --tokenizer "$tok" --port 0 --admin-port 0 >"$upl" 2>&1 &
   up=$!
   url=""
   for _ in $(seq 1 240); do
