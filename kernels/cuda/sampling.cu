@@ -60,10 +60,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_top_p(
     const float top_p = params[3 * blockIdx.x + 1];
     const float u = params[3 * blockIdx.x + 2];
 
+    // The extremes over finite logits (a masked -inf logit has weight 0 and is never kept).
     float mx = NEG_INF, mn = -NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        mx = fmaxf(mx, x[i]);
-        mn = fminf(mn, x[i]);
+        const float v = x[i];
+        if (v > NEG_INF && v < -NEG_INF) {
+            mx = fmaxf(mx, v);
+            mn = fminf(mn, v);
+        }
     }
     mx = block_max(mx, red);
     mn = -block_max(-mn, red);
@@ -102,8 +106,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_top_p(
     int my_last = -1;
     for (int i = b0; i < b1; i++)
         if (x[i] >= cut) {
-            mine += expf((x[i] - mx) * inv_t);
-            my_last = i;
+            const float w = expf((x[i] - mx) * inv_t);
+            if (w > 0.0f) {
+                mine += w;
+                my_last = i;
+            }
         }
     prefix[threadIdx.x] = mine;
     if (threadIdx.x == 0) {
@@ -122,18 +129,27 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_top_p(
         kept_total = c;
     }
     __syncthreads();
-    const float target = u * kept_total;
+    // The draw, kept strictly below the total (u × total can round up to it).
+    const float target = fminf(u * kept_total, kept_total * 0.99999994f);
     const float before = prefix[threadIdx.x];
     if (mine > 0.0f && target >= before && target < before + mine) {
-        float c = before;
+        // The walk repeats the sum that made `mine`, from zero, so it rounds the same way;
+        // should it still end short, the range's last kept token is the one.
+        const float local = target - before;
+        float c = 0.0f;
+        int pick = my_last;
         for (int i = b0; i < b1; i++)
             if (x[i] >= cut) {
-                c += expf((x[i] - mx) * inv_t);
-                if (target < c) {
-                    atomicMin(&chosen, i);
-                    break;
+                const float w = expf((x[i] - mx) * inv_t);
+                if (w > 0.0f) {
+                    c += w;
+                    if (local < c) {
+                        pick = i;
+                        break;
+                    }
                 }
             }
+        atomicMin(&chosen, pick);
     }
     __syncthreads();
     if (threadIdx.x == 0) out[blockIdx.x] = (u32)(chosen == 0x7fffffff ? last_kept : chosen);

@@ -111,7 +111,7 @@ fn draw(logits: &[f32], p: &SamplingParams, index: usize) -> u32 {
     }
     cand.sort_by(by_logit);
     let max = logits[cand[0] as usize];
-    let mut probs: Vec<f64> = cand
+    let probs: Vec<f64> = cand
         .iter()
         .map(|&i| (((logits[i as usize] - max) * inv_t) as f64).exp())
         .collect();
@@ -127,17 +127,20 @@ fn draw(logits: &[f32], p: &SamplingParams, index: usize) -> u32 {
             }
         }
     }
-    probs.truncate(keep);
-    let total: f64 = probs.iter().sum();
+    // The draw walks the kept tokens in id order, as the `cuda` backend's device sampler does,
+    // so a seed picks the same token on both (up to float rounding at a boundary).
+    let mut kept: Vec<(u32, f64)> = cand[..keep].iter().copied().zip(probs).collect();
+    kept.sort_unstable_by_key(|&(id, _)| id);
+    let total: f64 = kept.iter().map(|&(_, q)| q).sum();
     let u = uniform_draw(p, index) as f64 * total;
     let mut cum = 0.0;
-    for (i, q) in probs.iter().enumerate() {
+    for &(id, q) in &kept {
         cum += q;
         if u < cum {
-            return cand[i];
+            return id;
         }
     }
-    cand[keep - 1]
+    kept[keep - 1].0
 }
 
 #[cfg(test)]

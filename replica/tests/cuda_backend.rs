@@ -280,10 +280,23 @@ fn top_p_sampling_on_the_device_keeps_to_the_nucleus() {
     let mut p = Pair::new();
     let prompt = tokens(5, 40);
     let table = p.blocks(40);
-    let ((_, gl), _) = p.step(&[item(0, &prompt, 0, &table, true, 0)]);
-    let logits = &gl[0];
-    // The nucleus of top_p 0.5 at temperature 0.7, from the logits themselves.
+    p.step(&[item(0, &prompt, 0, &table, true, 0)]);
+    // Each draw recomputes the last token alone; the nucleus comes from that very step's
+    // logits (captured by the first draw).
     let t = 0.7f32;
+    let draw = |p: &mut Pair, seed: u64| {
+        let mut it = item(0, &prompt[39..], 39, &table, true, 0);
+        it.sampling = Arc::new(SamplingParams {
+            temperature: t,
+            top_p: 0.5,
+            seed,
+            ..SamplingParams::default()
+        });
+        let tok = p.gpu.execute(std::slice::from_ref(&it)).sampled[0];
+        p.cpu.take_logits();
+        (tok, p.gpu.take_logits().pop().unwrap().1)
+    };
+    let (_, logits) = draw(&mut p, 0);
     let max = logits.iter().fold(f32::MIN, |m, &v| m.max(v));
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
@@ -303,15 +316,7 @@ fn top_p_sampling_on_the_device_keeps_to_the_nucleus() {
     }
     let mut seen = std::collections::HashSet::new();
     for seed in 0..64u64 {
-        let mut it = item(0, &prompt[39..], 39, &table, true, 0);
-        it.sampling = Arc::new(SamplingParams {
-            temperature: t,
-            top_p: 0.5,
-            seed,
-            ..SamplingParams::default()
-        });
-        let tok = p.gpu.execute(std::slice::from_ref(&it)).sampled[0];
-        p.gpu.take_logits();
+        let (tok, _) = draw(&mut p, seed);
         assert!(
             nucleus.contains(&tok),
             "seed {seed}: token {tok} outside the nucleus of {}",

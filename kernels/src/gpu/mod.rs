@@ -115,21 +115,18 @@ pub fn compile_program(arch: Option<&'static str>) -> Result<Ptx, GpuError> {
     })
 }
 
-/// The `sm_XY` name of a compute capability (NVRTC takes a `&'static str`).
-pub fn arch_name(major: i32, minor: i32) -> Option<&'static str> {
-    Some(match (major, minor) {
-        (7, 0) => "sm_70",
-        (7, 5) => "sm_75",
-        (8, 0) => "sm_80",
-        (8, 6) => "sm_86",
-        (8, 7) => "sm_87",
-        (8, 9) => "sm_89",
-        (9, 0) => "sm_90",
-        (10, 0) => "sm_100",
-        (10, 3) => "sm_103",
-        (12, 0) => "sm_120",
-        _ => return None,
-    })
+/// The `sm_XY` name of a compute capability (NVRTC takes a `&'static str`; the few names a
+/// process ever needs are kept for its lifetime).
+pub fn arch_name(major: i32, minor: i32) -> &'static str {
+    static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let want = format!("sm_{major}{minor}");
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = names.iter().find(|n| **n == want) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(want.into_boxed_str());
+    names.push(leaked);
+    leaked
 }
 
 /// One GPU: context, stream, kernels and cuBLAS.
@@ -170,11 +167,7 @@ impl Gpu {
         // tracking has nothing to order.
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
-        let arch = arch_name(major, minor).ok_or_else(|| {
-            GpuError::Unsupported(format!(
-                "compute capability {major}.{minor} is not known to kvgate"
-            ))
-        })?;
+        let arch = arch_name(major, minor);
         let ptx = compile_program(Some(arch))?;
         let module = ctx.load_module(ptx)?;
         let mut funcs = HashMap::new();
@@ -216,6 +209,13 @@ impl Gpu {
     /// Free and total device memory, in bytes.
     pub fn memory(&self) -> Result<(usize, usize), GpuError> {
         Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Makes this GPU's context current on the calling thread. Calls that go through cudarc's
+    /// safe API bind it themselves; cuBLAS and raw copies do not, and a backend is built on
+    /// one thread and stepped on others.
+    pub fn bind(&self) -> Result<(), GpuError> {
+        Ok(self.ctx.bind_to_thread()?)
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -324,5 +324,17 @@ impl Gpu {
 
     fn func(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn architecture_names_follow_the_compute_capability_and_are_kept_once() {
+        assert_eq!(arch_name(9, 0), "sm_90");
+        assert_eq!(arch_name(12, 1), "sm_121");
+        assert!(std::ptr::eq(arch_name(8, 6), arch_name(8, 6)));
     }
 }

@@ -173,8 +173,15 @@ pub fn forward(
         hd,
         PARTIAL_FLOATS,
     );
-    let part_acc = s.part_acc.fit(gpu, parts * n * qd)?;
-    let part_ml = s.part_ml.fit(gpu, 2 * parts * n * heads)?;
+    // Partial results only when the context is split (a whole-context step never reads them).
+    let (part_acc, part_ml) = if parts > 1 {
+        (
+            s.part_acc.fit(gpu, parts * n * qd)?,
+            s.part_ml.fit(gpu, 2 * parts * n * heads)?,
+        )
+    } else {
+        (gpu.ptr(&s.part_acc.s), gpu.ptr(&s.part_ml.s))
+    };
     let att = AttentionLaunch {
         tiles: plan.num_tiles(),
         tokens: n,

@@ -101,7 +101,10 @@ impl CudaBackend {
                 gpu.sync()?;
                 let (free, total) = gpu.memory()?;
                 let used = total - free;
-                let budget = (total as f64 * f) as usize;
+                // What is allocated later stays out of the cache: cuBLAS's workspace, buffers
+                // that grow with a step (block tables, split-attention partials).
+                let reserve = (total / 32).max(1 << 30);
+                let budget = ((total as f64 * f) as usize).min(total.saturating_sub(reserve));
                 budget.saturating_sub(used) / per_block
             }
         };
@@ -174,6 +177,7 @@ impl CudaBackend {
 
     /// Runs a forward pass and waits for it; leaves the logits on the device.
     pub fn forward(&mut self, seqs: &[SeqSlice<'_>]) -> Result<usize, GpuError> {
+        self.gpu.bind()?;
         let m = forward::forward(&self.gpu, &self.weights, &self.kv, &mut self.scratch, seqs)?;
         self.gpu.sync()?;
         Ok(m)
@@ -200,6 +204,7 @@ impl CudaBackend {
     }
 
     fn step(&mut self, items: &[ScheduledItem]) -> Result<StepResult, GpuError> {
+        self.gpu.bind()?;
         let slices: Vec<SeqSlice<'_>> = items
             .iter()
             .map(|i| SeqSlice {
