@@ -1,357 +1,24 @@
 //! Goodput-based admission: dispatch a request only while its latency promise can still be
 //! kept, queue it briefly otherwise, and shed it early (429 + Retry-After) rather than thrash.
 //!
-//! Per replica, a [`LatencyModel`] learns from what the gateway forwards: time to first token
-//! as an affine function of the prefill in front of it (`overhead + tokens / rate`, where
-//! tokens are the uncached prompt tokens queued ahead plus the request's own), and the p95
-//! inter-token gap as a function of the running batch — the knee, learnt per batch bucket and
-//! interpolated between buckets. The TTFT fit starts from a prior — the replica's own
-//! estimate of its prefill rate when it reports one (`prefill_tokens_per_s` in
-//! `/server_info`), a generic one otherwise — held as two pseudo-observations, at 0 and at
-//! 4,096 tokens: after a hundred short prompts, the fit still knows what a 6k-token prompt
-//! costs instead of extrapolating the short prompts' fixed overhead into a huge per-token
-//! cost. [`admissible`] asks: would this request's predicted TTFT and the predicted gap with
-//! one more sequence both meet the route's SLO, and are the leading indicators (preemptions
-//! rising, KV usage above the high-water mark) quiet? An idle replica is always admissible:
-//! holding a request back from an idle replica helps nobody.
+//! Per replica, a [`LatencyModel`] (`latency_model.rs`) learns from what the gateway forwards
+//! how long a request waits for its first token and how long the gaps between tokens are at
+//! each batch size. [`admissible`] asks: would this request's predicted TTFT and the predicted
+//! gap with one more sequence both meet the route's SLO, and are the leading indicators
+//! (preemptions rising, KV usage above the high-water mark) quiet? An idle replica is always
+//! admissible: holding a request back from an idle replica helps nobody.
 //!
 //! The queue requests wait in, and why they are shed, is `admission_queue.rs`. Time comes
-//! from a [`Clock`], so tests control it.
+//! from a `Clock` (`clock.rs`), so tests control it.
 //!
 //! `dispatch.rs` wires this controller into the request path; it holds no I/O itself.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use parking_lot::Mutex;
-
-/// Time source: seconds since an arbitrary origin.
-pub trait Clock: Send + Sync {
-    fn now(&self) -> Duration;
-}
-
-pub struct SystemClock(Instant);
-
-impl Default for SystemClock {
-    fn default() -> Self {
-        SystemClock(Instant::now())
-    }
-}
-
-impl Clock for SystemClock {
-    fn now(&self) -> Duration {
-        self.0.elapsed()
-    }
-}
-
-/// A clock that moves only when told to.
-#[derive(Default)]
-pub struct ManualClock(Mutex<Duration>);
-
-impl ManualClock {
-    pub fn advance(&self, d: Duration) {
-        *self.0.lock() += d;
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> Duration {
-        *self.0.lock()
-    }
-}
+use crate::latency_model::LatencyModel;
 
 /// The latency promise (the one definition, shared with the load tester).
 pub use protocol::slo::Slo;
-
-/// Exponentially weighted moving average; `None` until the first sample.
-#[derive(Debug, Clone, Copy, Default)]
-struct Ewma(Option<f64>);
-
-impl Ewma {
-    const ALPHA: f64 = 0.2;
-
-    fn add(&mut self, x: f64) {
-        self.0 = Some(match self.0 {
-            None => x,
-            Some(v) => v + Self::ALPHA * (x - v),
-        });
-    }
-}
-
-/// A running estimate of the `Q`-th quantile (per mille; stochastic approximation): each
-/// sample above the estimate moves it up by `q × step`, each below it down by `(1 − q) × step`,
-/// so it settles where a share `1 − q` of samples lie above. The step is a fraction of the
-/// running mean, so the estimate adapts at the scale of what it tracks.
-#[derive(Debug, Clone, Copy, Default)]
-struct Quantile<const Q: u32> {
-    mean: Ewma,
-    q: Option<f64>,
-}
-
-impl<const Q: u32> Quantile<Q> {
-    const STEP: f64 = 0.1;
-
-    fn add(&mut self, x: f64) {
-        let share = f64::from(Q) / 1000.0;
-        self.mean.add(x);
-        let scale = self.mean.0.unwrap_or(x) * Self::STEP;
-        self.q = Some(match self.q {
-            None => x,
-            Some(q) if x > q => q + share * scale,
-            Some(q) if x < q => (q - (1.0 - share) * scale).max(0.0),
-            Some(q) => q,
-        });
-    }
-}
-
-/// Inter-token gaps at one batch size. Gaps are bimodal under chunked prefill: decode steps,
-/// and the rarer steps that also carry a prefill chunk. The median is the decode step — what
-/// grows with the batch, and so the knee admission can move; the p95 includes the stalls, which
-/// the chunk budget decides and holding requests back does not fix (see BENCHMARKS: admission
-/// that held on the p95 refused work the fleet would have served in time).
-#[derive(Debug, Clone, Copy, Default)]
-struct Gaps {
-    p50: Quantile<500>,
-    p95: Quantile<950>,
-}
-
-impl Gaps {
-    fn add(&mut self, x: f64) {
-        self.p50.add(x);
-        self.p95.add(x);
-    }
-}
-
-/// Upper edges of the batch buckets the inter-token gap is learnt in.
-const BATCH_BUCKETS: [u32; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
-
-fn bucket(batch: u32) -> usize {
-    BATCH_BUCKETS
-        .iter()
-        .position(|&b| batch <= b)
-        .unwrap_or(BATCH_BUCKETS.len() - 1)
-}
-
-/// The prefill rate assumed before a replica says or shows its own (tokens/s): an 8B model
-/// on one mid-range GPU.
-pub const GENERIC_PREFILL_RATE: f64 = 8_000.0;
-/// Fixed cost of a request before its prefill (seconds), in the prior.
-pub const GENERIC_OVERHEAD_S: f64 = 0.02;
-
-/// `ttft ≈ a + b · tokens`, fitted by weighted least squares: every observation's weight
-/// decays by [`TtftFit::FORGET`] per later observation (the replica's speed drifts with its
-/// load), and two pseudo-observations of the prior, at 0 and [`TtftFit::PRIOR_SPAN`] tokens,
-/// keep the line anchored where no data is.
-#[derive(Debug, Clone)]
-struct TtftFit {
-    sw: f64,
-    sx: f64,
-    sy: f64,
-    sxx: f64,
-    sxy: f64,
-    /// Prior overhead (s) and cost per token (s).
-    a0: f64,
-    b0: f64,
-    observed: u64,
-}
-
-impl Default for TtftFit {
-    fn default() -> Self {
-        TtftFit {
-            sw: 0.0,
-            sx: 0.0,
-            sy: 0.0,
-            sxx: 0.0,
-            sxy: 0.0,
-            a0: GENERIC_OVERHEAD_S,
-            b0: 1.0 / GENERIC_PREFILL_RATE,
-            observed: 0,
-        }
-    }
-}
-
-impl TtftFit {
-    const FORGET: f64 = 0.98;
-    const PRIOR_SPAN: f64 = 4096.0;
-    const PRIOR_WEIGHT: f64 = 0.5;
-
-    fn observe(&mut self, x: f64, y: f64) {
-        let f = Self::FORGET;
-        self.sw = self.sw * f + 1.0;
-        self.sx = self.sx * f + x;
-        self.sy = self.sy * f + y;
-        self.sxx = self.sxx * f + x * x;
-        self.sxy = self.sxy * f + x * y;
-        self.observed += 1;
-    }
-
-    /// `(a, b)`: overhead in seconds and seconds per token.
-    fn coefficients(&self) -> (f64, f64) {
-        let w = Self::PRIOR_WEIGHT;
-        let (x1, y0, y1) = (
-            Self::PRIOR_SPAN,
-            self.a0,
-            self.a0 + self.b0 * Self::PRIOR_SPAN,
-        );
-        let sw = self.sw + 2.0 * w;
-        let sx = self.sx + w * x1;
-        let sy = self.sy + w * (y0 + y1);
-        let sxx = self.sxx + w * x1 * x1;
-        let sxy = self.sxy + w * x1 * y1;
-        let det = sw * sxx - sx * sx;
-        if det <= f64::EPSILON {
-            return (self.a0, self.b0);
-        }
-        // Never faster than 20x the prior per token, never negative.
-        let b = ((sw * sxy - sx * sy) / det).max(self.b0 / 20.0);
-        let a = ((sy - b * sx) / sw).max(0.0);
-        (a, b)
-    }
-}
-
-/// The replica's most recent inter-token gaps, whatever the batch: the share of them over a
-/// target is the share of steps that stalled its streams. A step that carries a prefill chunk
-/// gives every running stream one long gap, so stalls show as a share of gaps; a request keeps
-/// its p95 promise while under 5% of its gaps are stalls.
-#[derive(Debug, Clone)]
-struct RecentGaps {
-    gaps: std::collections::VecDeque<f32>,
-}
-
-impl Default for RecentGaps {
-    fn default() -> Self {
-        RecentGaps {
-            gaps: std::collections::VecDeque::with_capacity(Self::WINDOW),
-        }
-    }
-}
-
-impl RecentGaps {
-    /// About the last few seconds of a busy replica's streams.
-    const WINDOW: usize = 4096;
-    /// Fewer gaps than this say nothing yet.
-    const MIN: usize = 200;
-
-    fn add(&mut self, gap: f64) {
-        if self.gaps.len() == Self::WINDOW {
-            self.gaps.pop_front();
-        }
-        self.gaps.push_back(gap as f32);
-    }
-
-    fn share_over(&self, target: f64) -> Option<f64> {
-        if self.gaps.len() < Self::MIN {
-            return None;
-        }
-        let over = self.gaps.iter().filter(|&&g| f64::from(g) > target).count();
-        Some(over as f64 / self.gaps.len() as f64)
-    }
-}
-
-/// What the gateway has learnt about one replica's speed.
-#[derive(Debug, Clone, Default)]
-pub struct LatencyModel {
-    ttft: TtftFit,
-    itl_by_batch: [Gaps; BATCH_BUCKETS.len()],
-    recent: RecentGaps,
-}
-
-impl LatencyModel {
-    /// Sets the prior of the TTFT fit: the replica's own prefill rate (tokens/s) and fixed
-    /// overhead (s).
-    pub fn set_prior(&mut self, prefill_tokens_per_s: f64, overhead_s: f64) {
-        if prefill_tokens_per_s > 0.0 && prefill_tokens_per_s.is_finite() {
-            self.ttft.b0 = 1.0 / prefill_tokens_per_s;
-        }
-        if overhead_s >= 0.0 && overhead_s.is_finite() {
-            self.ttft.a0 = overhead_s;
-        }
-    }
-
-    /// A request with `tokens` uncached prompt tokens, behind `ahead` tokens of queued prefill,
-    /// saw its first token after `ttft`.
-    pub fn observe_ttft(&mut self, ahead: u64, tokens: u64, ttft: Duration) {
-        let s = ttft.as_secs_f64();
-        if s > 0.0 {
-            self.ttft.observe((ahead + tokens) as f64, s);
-        }
-    }
-
-    /// TTFT observations so far.
-    pub fn ttft_observations(&self) -> u64 {
-        self.ttft.observed
-    }
-
-    /// The fixed part of TTFT as learnt (seconds).
-    pub fn ttft_overhead(&self) -> f64 {
-        self.ttft.coefficients().0
-    }
-
-    /// The TTFT fit as learnt: overhead (s) and seconds per prefill token.
-    pub fn ttft_coefficients(&self) -> (f64, f64) {
-        self.ttft.coefficients()
-    }
-
-    /// An inter-token gap observed while the replica ran `batch` sequences.
-    pub fn observe_itl(&mut self, batch: u32, gap: Duration) {
-        self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
-        self.recent.add(gap.as_secs_f64());
-    }
-
-    /// Share of the replica's recent gaps over `target` (`None` until enough were seen).
-    pub fn stall_share(&self, target: Duration) -> Option<f64> {
-        self.recent.share_over(target.as_secs_f64())
-    }
-
-    /// Prefill tokens per second as learnt (the prior until observations move it).
-    pub fn prefill_rate(&self) -> Option<f64> {
-        let (_, b) = self.ttft.coefficients();
-        (b > 0.0).then(|| 1.0 / b)
-    }
-
-    /// Predicted time to first token behind `ahead` queued tokens with `tokens` of its own.
-    pub fn predict_ttft(&self, ahead: u64, tokens: u64) -> Option<Duration> {
-        let (a, b) = self.ttft.coefficients();
-        Some(Duration::from_secs_f64(a + b * (ahead + tokens) as f64))
-    }
-
-    /// The decode step (median gap) at `batch`: interpolated between the learnt buckets around
-    /// it, extrapolated along the last learnt slope beyond them. Admission's knee.
-    pub fn predict_itl(&self, batch: u32) -> Option<Duration> {
-        self.interpolate(batch, |g| g.p50.q)
-    }
-
-    /// The p95 gap at `batch`, stalls included (reported, not used to hold).
-    pub fn predict_itl_p95(&self, batch: u32) -> Option<Duration> {
-        self.interpolate(batch, |g| g.p95.q)
-    }
-
-    fn interpolate(&self, batch: u32, pick: impl Fn(&Gaps) -> Option<f64>) -> Option<Duration> {
-        let known: Vec<(f64, f64)> = BATCH_BUCKETS
-            .iter()
-            .zip(&self.itl_by_batch)
-            .filter_map(|(&b, e)| pick(e).map(|v| (f64::from(b), v)))
-            .collect();
-        let x = f64::from(batch.max(1));
-        let y = match known.as_slice() {
-            [] => return None,
-            [(_, v)] => *v,
-            _ => {
-                let i = known
-                    .windows(2)
-                    .position(|w| x <= w[1].0)
-                    .unwrap_or(known.len() - 2);
-                let ((x0, y0), (x1, y1)) = (known[i], known[i + 1]);
-                let y = y0 + (y1 - y0) * (x - x0) / (x1 - x0);
-                if x < x0 {
-                    y0
-                } else {
-                    y.max(0.0)
-                }
-            }
-        };
-        Some(Duration::from_secs_f64(y))
-    }
-}
 
 /// A replica's state as admission sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -480,6 +147,7 @@ pub fn admissible(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::latency_model::tests::learnt;
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -488,21 +156,6 @@ mod tests {
             ttft: Some(1000 * MS),
             itl: Some(50 * MS),
         }
-    }
-
-    /// A replica that prefills 10k tokens/s and whose gap grows from 10 ms at batch 1 to 40 ms
-    /// at 32 and 80 ms at 64: the knee for a 50 ms promise lies between 32 and 64.
-    fn learnt() -> LatencyModel {
-        let mut m = LatencyModel::default();
-        for _ in 0..20 {
-            m.observe_ttft(0, 200, 20 * MS);
-            m.observe_ttft(0, 1000, 100 * MS);
-            m.observe_ttft(3000, 1000, 400 * MS);
-            m.observe_itl(1, 10 * MS);
-            m.observe_itl(32, 40 * MS);
-            m.observe_itl(64, 80 * MS);
-        }
-        m
     }
 
     #[test]
@@ -598,18 +251,6 @@ mod tests {
     }
 
     #[test]
-    fn what_the_data_shows_beats_the_prior() {
-        // The prior says 8k tokens/s; the replica really does 2k.
-        let mut m = LatencyModel::default();
-        for i in 0..200u64 {
-            let n = 100 + (i % 20) * 200;
-            m.observe_ttft(0, n, Duration::from_secs_f64(0.01 + n as f64 / 2_000.0));
-        }
-        let rate = m.prefill_rate().unwrap();
-        assert!((rate - 2_000.0).abs() < 200.0, "{rate}");
-    }
-
-    #[test]
     fn holds_when_the_replica_is_at_its_predicted_knee() {
         let m = learnt();
         // 40 running: one more sequence is predicted at 40 + (41-32)/32 * 40 = 51.25 ms > 50 ms.
@@ -668,39 +309,5 @@ mod tests {
             ..ReplicaPressure::default()
         };
         assert_eq!(admissible(&m, &idle, 10, &slo(), 0.9), Ok(()));
-    }
-
-    #[test]
-    fn the_knee_follows_decode_steps_and_the_p95_sees_stalls() {
-        // Decode steps of 80 ms, and one step in ten also carries a 600 ms prefill chunk: the
-        // mean is 132 ms, the decode step (median) 80 ms, the p95 a stall.
-        let mut m = LatencyModel::default();
-        for i in 0..4000 {
-            let gap = if i % 10 == 0 { 600 * MS } else { 80 * MS };
-            m.observe_itl(16, gap);
-        }
-        let p95 = m.predict_itl_p95(16).unwrap().as_secs_f64();
-        assert!(p95 > 0.3, "{p95}");
-        let step = m.predict_itl(16).unwrap().as_secs_f64();
-        assert!((step - 0.08).abs() < 0.01, "{step}");
-        // One stall in a hundred stays under the p95.
-        let mut m = LatencyModel::default();
-        for i in 0..4000 {
-            let gap = if i % 100 == 0 { 600 * MS } else { 80 * MS };
-            m.observe_itl(16, gap);
-        }
-        let p = m.predict_itl_p95(16).unwrap().as_secs_f64();
-        assert!(p < 0.12, "{p}");
-    }
-
-    #[test]
-    fn itl_prediction_interpolates_and_extrapolates() {
-        let m = learnt();
-        assert_eq!(m.predict_itl(1), Some(10 * MS));
-        let mid = m.predict_itl(48).unwrap().as_secs_f64();
-        assert!((mid - 0.060).abs() < 1e-9, "{mid}");
-        let far = m.predict_itl(128).unwrap().as_secs_f64();
-        assert!((far - 0.160).abs() < 1e-9, "{far}");
-        assert_eq!(LatencyModel::default().predict_itl(4), None);
     }
 }

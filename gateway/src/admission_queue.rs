@@ -173,7 +173,7 @@ impl AdmissionQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::{Clock, ManualClock};
+    use crate::clock::{Clock, ManualClock};
 
     const MS: Duration = Duration::from_millis(1);
 

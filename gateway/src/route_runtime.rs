@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::admission::{Clock, SystemClock};
 use crate::admission_queue::AdmissionQueue;
+use crate::clock::{Clock, SystemClock};
 use crate::goodput::RouteStats;
 use crate::metrics::GatewayMetrics;
 

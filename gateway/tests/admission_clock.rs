@@ -9,8 +9,10 @@
 
 use std::time::Duration;
 
-use gateway::admission::{admissible, Clock, LatencyModel, ManualClock, ReplicaPressure, Slo};
+use gateway::admission::{admissible, ReplicaPressure, Slo};
 use gateway::admission_queue::AdmissionQueue;
+use gateway::clock::{Clock, ManualClock};
+use gateway::latency_model::LatencyModel;
 
 const PREFILL_RATE: f64 = 3_333.0;
 const OVERHEAD: f64 = 0.02;

@@ -26,8 +26,8 @@ use policies::{LoadSignal, ReplicaSet, ReplicaView, SpeedView};
 
 use arc_swap::ArcSwap;
 
-use crate::admission::LatencyModel;
 use crate::engine_events::HashTranslator;
+use crate::latency_model::LatencyModel;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
 use crate::zmq_events::{self, ZmqSource};

@@ -32,7 +32,7 @@ impl Registry {
         if let Some(rate) = v["prefill_tokens_per_s"].as_f64() {
             r.model
                 .lock()
-                .set_prior(rate, crate::admission::GENERIC_OVERHEAD_S);
+                .set_prior(rate, crate::latency_model::GENERIC_OVERHEAD_S);
         }
         v["replica_id"]
             .as_str()
