@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
 # The cuda backend's check on an NVIDIA GPU, in one run (under 10 minutes):
-#   1. every kernel compiles with NVRTC for this GPU generation and its neighbours;
+#   1. every kernel compiles with NVRTC for sm_80, sm_89 and sm_90;
 #   2. the GPU tests: logits against the cpu backend for 10 prompts, greedy tokens for 32 steps,
 #      prefix reuse on the GPU, a batch of 64 mixed prefill/decode sequences, top-p sampling;
 #   3. the benchmarks (replica/examples/cuda_bench.rs): decode tokens/s at batch 1, 64 and 256,
 #      the paged-attention kernel's bandwidth against a device-to-device copy, and the sim
-#      roofline's predicted step times against the measured ones;
-#   4. `kvgate up --backend cuda` serving a chat completion through the gateway.
+#      roofline's predicted step times against the measured ones. The model is
+#      $KVGATE_BENCH_MODEL's shape (default llama-3.1-8b: ~16 GB of f16 weights plus a 40 GB KV
+#      cache, so a GPU of 64 GB or more), compared with the roofline of $KVGATE_GPU_PROFILE
+#      (default: h200, h100, a100 or l4 from the device's name);
+#   4. `kvgate up --backend cuda` serving a chat completion through the gateway (a synthetic
+#      model and models/qwen3's tokenizer: no model file needs to be on the machine).
 # Missing a GPU, NVRTC or cuBLAS is a failure here (KVGATE_REQUIRE_GPU, KVGATE_REQUIRE_NVRTC).
+# NVRTC and cuBLAS are looked for in the CUDA toolkit and in python3's `nvidia-*` wheels.
 #
-#   scripts/gpu-check.sh                 build with cargo (--features cuda), then check
+#   scripts/gpu-check.sh                 build with cargo, then check
 #   scripts/gpu-check.sh --pack DIR      build here (no GPU needed) and put the binaries in DIR
 #   scripts/gpu-check.sh --prebuilt DIR  check with binaries packed earlier (a GPU machine
-#                                        without a Rust toolchain)
+#                                        without a Rust toolchain; run it from a checkout)
+# KVGATE_CUDA_FEATURE=cuda12 builds for CUDA 12 (default: cuda, CUDA 13).
 # Results go to $OUT when set (else target/gpu-check/): gpu-bench.md and the full log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=build
 bin=""
+feature="${KVGATE_CUDA_FEATURE:-cuda}"
 case "${1:-}" in
   --pack) mode=pack; bin="${2:?--pack DIR}" ;;
   --prebuilt) mode=prebuilt; bin="${2:?--prebuilt DIR}" ;;
@@ -39,13 +46,13 @@ for l in sys.stdin:
 build_into() {
   local dir=$1
   mkdir -p "$dir"
-  cargo build --release --locked --features cuda --bin kvgate
+  cargo build --release --locked --no-default-features --features "$feature" --bin kvgate
   cp target/release/kvgate "$dir/"
-  built test --release --locked -p kernels --features cuda --test cuda_compile --no-run \
+  built test --release --locked -p kernels --features "$feature" --test cuda_compile --no-run \
     | awk '$1=="cuda_compile"{print $2}' | head -1 | xargs -I{} cp {} "$dir/cuda_compile"
-  built test --release --locked -p replica --features cuda --test cuda_backend --no-run \
+  built test --release --locked -p replica --features "$feature" --test cuda_backend --no-run \
     | awk '$1=="cuda_backend"{print $2}' | head -1 | xargs -I{} cp {} "$dir/cuda_backend"
-  cargo build --release --locked -p replica --features cuda --example cuda_bench --example synthetic_model
+  cargo build --release --locked -p replica --features "$feature" --example cuda_bench --example synthetic_model
   cp target/release/examples/cuda_bench target/release/examples/synthetic_model "$dir/"
   strip "$dir"/* 2>/dev/null || true
   cp "$0" "$dir/"
@@ -75,6 +82,7 @@ import glob, os, site
 roots = site.getsitepackages() + [site.getusersitepackages()]
 for r in roots:
     for d in glob.glob(os.path.join(r, "nvidia", "*", "lib")) + glob.glob(os.path.join(r, "nvidia", "*", "*", "lib")):
+        # cu13/lib (CUDA 13 wheels), cublas/lib and cuda_nvrtc/lib (CUDA 12 wheels)
         print(d)
 PY
 ) "$HOME/.cache/kvgate/nvrtc/nvidia/cu13/lib"; do
@@ -91,7 +99,15 @@ echo "== 1. kernels compile (NVRTC)"
 echo "== 2. GPU tests against the cpu backend"
 "$bin/cuda_backend" --nocapture --test-threads=1 || status=1
 echo "== 3. benchmarks"
-KVGATE_BENCH_OUT="$out/gpu-bench.md" "$bin/cuda_bench" h200 llama-3.1-8b || status=1
+profile="${KVGATE_GPU_PROFILE:-}"
+if [ -z "$profile" ]; then
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+  case "$name" in
+    *H200*) profile=h200 ;; *H100*) profile=h100 ;; *A100*) profile=a100 ;; *L4*) profile=l4 ;;
+    *) profile=h200; echo "unknown GPU '$name': comparing with the h200 roofline profile" ;;
+  esac
+fi
+KVGATE_BENCH_OUT="$out/gpu-bench.md" "$bin/cuda_bench" "$profile" "${KVGATE_BENCH_MODEL:-llama-3.1-8b}" || status=1
 echo "== 4. kvgate up --backend cuda"
 model=$(mktemp -d)/synthetic
 tok=models/qwen3

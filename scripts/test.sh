@@ -36,8 +36,10 @@ set +e
 { cargo build --workspace --locked && cargo test --workspace --locked --no-fail-fast; } 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
-passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')
+# (`|| true`: a build that failed before any test ran has no result lines, and must still get
+# its summary line below.)
+passed=$({ grep -Eo '^test result: .* ([0-9]+) passed' "$log" || true; } | { grep -Eo '[0-9]+ passed' || true; } | awk '{s+=$1} END {print s+0}')
+failed=$({ grep -Eo '^test result: .* ([0-9]+) failed' "$log" || true; } | { grep -Eo '[0-9]+ failed' || true; } | awk '{s+=$1} END {print s+0}')
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
   failed=1 # a build error or a crashed test binary counts as a failure
 fi

@@ -35,7 +35,8 @@ enum Command {
     Capacity(CapacityArgs),
     /// Run the prefix-aware gateway in front of running replicas.
     Gateway(GatewayArgs),
-    /// Start a gateway and N sim replicas on free ports, on the default model files.
+    /// Start a gateway and its replicas (sim, cpu or cuda) on free ports, on the default model
+    /// files.
     Up(up::UpArgs),
     /// Write a GGUF file's tokenizer as tokenizer.json + tokenizer_config.json (for tools that
     /// want a tokenizer folder; kvgate itself reads the GGUF file directly).
@@ -158,7 +159,9 @@ struct GatewayArgs {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Built-in profile (qwen3-8b, llama-3.1-8b, mistral-7b, llama-3.1-70b-tp4) or a HF config.json.
+    /// sim: a built-in profile (qwen3-8b, llama-3.1-8b, mistral-7b, llama-3.1-70b-tp4) or a
+    /// HF config.json. cpu and cuda: a GGUF file or a Hugging Face folder (default: the
+    /// fetched SmolLM2-135M-Instruct GGUF).
     #[arg(long, default_value = "qwen3-8b")]
     model: String,
     /// GPU profile: h100, h200, a100, l4.
@@ -202,10 +205,10 @@ struct ReplicaArgs {
     #[arg(long, default_value_t = 8001)]
     port: u16,
     /// Folder with tokenizer.json and tokenizer_config.json, or a GGUF file (default: the
-    /// model's own for --backend cpu, models/qwen3 for sim).
+    /// model's own for --backend cpu and cuda, models/qwen3 for sim).
     #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     tokenizer: Option<PathBuf>,
-    /// Model name clients send; defaults to the profile's name (sim) or the file's (cpu).
+    /// Model name clients send; defaults to the profile's name (sim) or the file's (cpu, cuda).
     #[arg(long)]
     served_model_name: Option<String>,
     /// Identifier in the x-kvgate-replica header and metrics (default: replica-<port>).
@@ -221,7 +224,8 @@ struct ReplicaArgs {
     /// Longest prompt + completion in tokens (default: the model's native context, capped by the KV cache).
     #[arg(long)]
     max_model_len: Option<usize>,
-    /// Override the number of KV blocks computed from GPU memory.
+    /// Exactly this many KV blocks, instead of what --gpu-memory-utilization leaves (sim, cuda)
+    /// or --kv-cache-mib holds (cpu).
     #[arg(long)]
     num_gpu_blocks: Option<usize>,
     /// Turn prefix caching off (every prompt is prefilled in full).
@@ -280,6 +284,10 @@ fn roofline(m: &ModelArgs) -> Result<Roofline> {
 async fn run_replica(a: ReplicaArgs) -> Result<()> {
     let backend = BackendKind::parse(&a.backend)
         .ok_or_else(|| anyhow!("--backend must be sim, cpu or cuda, got `{}`", a.backend))?;
+    if backend == BackendKind::Cuda {
+        // Before anything else is said or loaded: no GPU is a one-line refusal.
+        up::cuda_available()?;
+    }
     let mut model = a.model.model.clone();
     let real = matches!(backend, BackendKind::Cpu | BackendKind::Cuda);
     if real && !std::path::Path::new(&model).exists() {
@@ -683,7 +691,19 @@ fn served_model_name(profile: &str) -> String {
         .unwrap_or_else(|_| profile.to_string())
 }
 
-fn main() -> Result<()> {
+/// Errors end the process with one line, `Error: ` and the error's causes joined by `: `
+/// (no backtrace, whatever RUST_BACKTRACE says: they are the user's errors, not ours).
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -15,7 +15,8 @@ use crate::{serve_gateway, served_model_name, shutdown_signal};
 #[derive(Args)]
 pub(crate) struct UpArgs {
     /// Replica backend: sim (4 simulated replicas), cpu (2 replicas of a real model, the
-    /// machine's cores split between them) or cuda (one replica per GPU; default 1).
+    /// machine's cores split between them) or cuda (1 replica of a real model; with --replicas
+    /// N, N replicas on the first N GPUs, one each).
     #[arg(long, default_value = "sim")]
     backend: String,
     /// Number of replicas (default: 4 for sim, 2 for cpu, 1 for cuda).
@@ -227,15 +228,18 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
         }
         BackendKind::Cpu | BackendKind::Cuda => {
             let cuda = backend == BackendKind::Cuda;
-            if cuda {
-                cuda_available()?;
-            }
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // cuda: one replica per GPU at most (each is given its own device).
+            let limit = if cuda {
+                cuda_available()?
+            } else {
+                cores.max(2) * 4
+            };
             let replicas = a.replicas.unwrap_or(if cuda { 1 } else { 2 });
-            if replicas == 0 || replicas > cores.max(2) * 4 {
+            if replicas == 0 || replicas > limit {
                 bail!(
-                    "--replicas must be between 1 and {} on this machine",
-                    cores.max(2) * 4
+                    "--replicas must be between 1 and {limit} on this machine{}",
+                    if cuda { " (one per GPU)" } else { "" }
                 );
             }
             let model = if a.model == "qwen3-8b" {
@@ -277,15 +281,14 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
 
 /// Refuses `--backend cuda` in one line where it cannot run: no CUDA support in this build, no
 /// driver, or no GPU.
+/// Returns how many GPUs the driver sees.
 #[cfg(any(feature = "cuda", feature = "cuda12"))]
-fn cuda_available() -> Result<()> {
-    replica::cuda::probe()
-        .map(|_| ())
-        .map_err(|e| anyhow!("--backend cuda: {e}"))
+pub(crate) fn cuda_available() -> Result<usize> {
+    replica::cuda::probe().map_err(|e| anyhow!("--backend cuda: {e}"))
 }
 
 #[cfg(not(any(feature = "cuda", feature = "cuda12")))]
-fn cuda_available() -> Result<()> {
+pub(crate) fn cuda_available() -> Result<usize> {
     bail!("--backend cuda: this kvgate was built without CUDA support; rebuild with `cargo build --release --features cuda` (CUDA 13) or `--features cuda12`")
 }
 

@@ -31,9 +31,11 @@ use crate::latency_model::LatencyModel;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 use crate::prefix_index::PrefixIndex;
 use crate::zmq_events::{self, ZmqSource};
+use prefill_queue::PrefillQueue;
 
 mod events;
 mod health;
+mod prefill_queue;
 mod probes;
 
 pub type HttpClient = Client<HttpConnector, http_body_util::Full<Bytes>>;
@@ -84,9 +86,9 @@ pub struct ReplicaHandle {
     /// still counts it, so it is ignored until the next poll.
     finished: AtomicU64,
     finished_at_poll: AtomicU64,
-    /// Uncached prompt tokens of our requests sent here that have not shown a first byte: the
-    /// prefill queued ahead of the next one.
-    pending_prefill: AtomicU64,
+    /// Uncached prompt tokens of our requests sent here that have not shown a first byte, and
+    /// how much of them the replica has likely done: the prefill ahead of the next one.
+    prefill: PrefillQueue,
     /// The replica's preemption counter at the last poll (`u64::MAX` before the first).
     preemptions: AtomicU64,
     /// Registry-clock milliseconds + 1 of the last poll that saw preemptions rise (0: never).
@@ -133,7 +135,7 @@ impl ReplicaHandle {
             events_refused: AtomicBool::new(false),
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
-            pending_prefill: AtomicU64::new(0),
+            prefill: PrefillQueue::default(),
             preemptions: AtomicU64::new(u64::MAX),
             preempted_at_ms: AtomicU64::new(0),
             capacity_tokens: AtomicU64::new(0),
@@ -227,7 +229,11 @@ impl ReplicaHandle {
         SpeedView {
             overhead_s,
             seconds_per_token,
-            queued_prefill_tokens: self.pending_prefill.load(Ordering::Relaxed),
+            queued_prefill_tokens: self.prefill.remaining(
+                Instant::now(),
+                overhead_s,
+                seconds_per_token,
+            ),
             decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
             chunk_tokens: if chunk > 0 {
                 chunk
@@ -248,14 +254,15 @@ pub struct PendingPrefill {
 impl PendingPrefill {
     /// Adds `tokens`; returns the guard and the prefill that was already queued ahead.
     pub fn new(replica: Arc<ReplicaHandle>, tokens: u64) -> (Self, u64) {
-        let ahead = replica.pending_prefill.fetch_add(tokens, Ordering::Relaxed);
+        let (overhead_s, seconds_per_token) = replica.model.lock().ttft_coefficients();
+        let ahead = replica
+            .prefill
+            .add(tokens, Instant::now(), overhead_s, seconds_per_token);
         (PendingPrefill { replica, tokens }, ahead)
     }
 
     pub fn done(&mut self) {
-        self.replica
-            .pending_prefill
-            .fetch_sub(std::mem::take(&mut self.tokens), Ordering::Relaxed);
+        self.replica.prefill.done(std::mem::take(&mut self.tokens));
     }
 }
 
@@ -545,7 +552,11 @@ impl Registry {
         };
         crate::admission::ReplicaPressure {
             running: l.requests(),
-            queued_prefill_tokens: r.pending_prefill.load(Ordering::Relaxed),
+            queued_prefill_tokens: {
+                let (overhead_s, seconds_per_token) = r.model.lock().ttft_coefficients();
+                r.prefill
+                    .remaining(Instant::now(), overhead_s, seconds_per_token)
+            },
             kv_usage: projected,
             preempting: at > 0 && self.now_ms() + 1 < at + holdoff.as_millis() as u64,
         }

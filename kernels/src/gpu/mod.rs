@@ -26,7 +26,7 @@ pub type DevPtr = u64;
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     #[error(
-        "no NVIDIA driver: libcuda.so could not be loaded (--backend cuda needs an NVIDIA GPU and its driver)"
+        "no NVIDIA driver: libcuda.so could not be loaded (an NVIDIA GPU and its driver are needed)"
     )]
     NoDriver,
     #[error("the NVIDIA driver sees no GPU")]
