@@ -248,21 +248,31 @@ impl ReplicaHandle {
 /// byte arrives (`done`) or it ends.
 pub struct PendingPrefill {
     replica: Arc<ReplicaHandle>,
-    tokens: u64,
+    /// The request's place in the replica's queue; `None` once answered.
+    id: Option<u64>,
 }
 
 impl PendingPrefill {
-    /// Adds `tokens`; returns the guard and the prefill that was already queued ahead.
+    /// Adds `tokens`; returns the guard and the prefill still to do ahead of them.
     pub fn new(replica: Arc<ReplicaHandle>, tokens: u64) -> (Self, u64) {
         let (overhead_s, seconds_per_token) = replica.model.lock().ttft_coefficients();
-        let ahead = replica
-            .prefill
-            .add(tokens, Instant::now(), overhead_s, seconds_per_token);
-        (PendingPrefill { replica, tokens }, ahead)
+        let (id, ahead) =
+            replica
+                .prefill
+                .add(tokens, Instant::now(), overhead_s, seconds_per_token);
+        (
+            PendingPrefill {
+                replica,
+                id: Some(id),
+            },
+            ahead,
+        )
     }
 
     pub fn done(&mut self) {
-        self.replica.prefill.done(std::mem::take(&mut self.tokens));
+        if let Some(id) = self.id.take() {
+            self.replica.prefill.done(id, Instant::now());
+        }
     }
 }
 

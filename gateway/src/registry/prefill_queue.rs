@@ -2,28 +2,33 @@
 //! front of the next request there. Counted in uncached prompt tokens from the moment a
 //! request is sent until its first byte comes back.
 //!
-//! What is still *to do* is less than what is outstanding: the replica has been prefilling
-//! since the queue last became non-empty (a busy period), at the rate the latency model has
-//! learnt. A burst's followers, arriving while the first request's prefill is half done, see
-//! half of it in front of them, not all of it: counting all of it made a holder look slower
-//! than a cold replica and spread bursts over replicas that then paid for the whole prefix
-//! (BENCHMARKS, issue 11, bursty traffic on A100-sized caches).
+//! What is still *to do* is a little less than what is outstanding: the replica works on the
+//! oldest unanswered request, and has been doing so since it was sent or since the last answer
+//! came back, whichever is later. A burst's followers, arriving while the first request's cold
+//! prefill is half done, see half of it in front of them, not all of it: counting all of it
+//! made a holder look slower than a cold replica and spread bursts over replicas that then paid
+//! for the whole prefix (BENCHMARKS, issue 11, bursty traffic on A100-sized caches). Only the
+//! oldest request is credited, and never beyond its own size, so an optimistic rate cannot
+//! pile up credit over a long busy period (crediting the whole busy period did: on agent
+//! traffic at 24/s the queues looked empty and four replicas took everything).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 #[derive(Debug, Default)]
-struct BusyPeriod {
-    /// When the outstanding count last rose from zero.
-    since: Option<Instant>,
-    /// Tokens of requests answered since then (their prefill is part of the work done).
-    answered: u64,
+struct Queue {
+    /// Unanswered requests, oldest first: (id, tokens, sent at).
+    waiting: VecDeque<(u64, u64, Instant)>,
+    next_id: u64,
+    /// When the last answer came back.
+    last_answer: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
 pub struct PrefillQueue {
     outstanding: AtomicU64,
-    busy: parking_lot::Mutex<BusyPeriod>,
+    queue: parking_lot::Mutex<Queue>,
 }
 
 impl PrefillQueue {
@@ -32,46 +37,48 @@ impl PrefillQueue {
         self.outstanding.load(Ordering::Relaxed)
     }
 
-    /// The outstanding prefill the replica has not done yet at `now`, had it worked through
-    /// it since the busy period began at `seconds_per_token` after `overhead_s`.
+    /// The outstanding prefill the replica has not done yet at `now`: the oldest request is
+    /// credited with the work since it was sent or since the last answer (the later), after
+    /// `overhead_s`, at `seconds_per_token`.
     pub fn remaining(&self, now: Instant, overhead_s: f64, seconds_per_token: f64) -> u64 {
-        let busy = self.busy.lock();
+        let q = self.queue.lock();
         let outstanding = self.outstanding();
-        let Some(since) = busy.since else {
+        let Some(&(_, head_tokens, sent)) = q.waiting.front() else {
             return outstanding;
         };
         if seconds_per_token <= 0.0 {
             return outstanding;
         }
-        let working = (now.saturating_duration_since(since).as_secs_f64() - overhead_s).max(0.0);
-        let done = (working / seconds_per_token) as u64;
-        outstanding.saturating_sub(done.saturating_sub(busy.answered))
+        let start = q.last_answer.map_or(sent, |a| a.max(sent));
+        let working = (now.saturating_duration_since(start).as_secs_f64() - overhead_s).max(0.0);
+        let done = ((working / seconds_per_token) as u64).min(head_tokens);
+        outstanding.saturating_sub(done)
     }
 
-    /// Adds a request's `tokens`; returns the prefill still to do in front of it.
-    pub fn add(&self, tokens: u64, now: Instant, overhead_s: f64, seconds_per_token: f64) -> u64 {
+    /// Adds a request's `tokens`; returns its id and the prefill still to do in front of it.
+    pub fn add(
+        &self,
+        tokens: u64,
+        now: Instant,
+        overhead_s: f64,
+        seconds_per_token: f64,
+    ) -> (u64, u64) {
         let ahead = self.remaining(now, overhead_s, seconds_per_token);
-        let mut busy = self.busy.lock();
-        if self.outstanding.fetch_add(tokens, Ordering::Relaxed) == 0 {
-            *busy = BusyPeriod {
-                since: Some(now),
-                answered: 0,
-            };
-        }
-        ahead
+        let mut q = self.queue.lock();
+        let id = q.next_id;
+        q.next_id += 1;
+        q.waiting.push_back((id, tokens, now));
+        self.outstanding.fetch_add(tokens, Ordering::Relaxed);
+        (id, ahead)
     }
 
-    /// A request's `tokens` were answered (first byte) or abandoned.
-    pub fn done(&self, tokens: u64) {
-        if tokens == 0 {
-            return;
-        }
-        let mut busy = self.busy.lock();
-        let before = self.outstanding.fetch_sub(tokens, Ordering::Relaxed);
-        if before <= tokens {
-            *busy = BusyPeriod::default();
-        } else {
-            busy.answered += tokens;
+    /// Request `id` was answered (first byte) or abandoned at `now`.
+    pub fn done(&self, id: u64, now: Instant) {
+        let mut q = self.queue.lock();
+        if let Some(i) = q.waiting.iter().position(|&(r, _, _)| r == id) {
+            let (_, tokens, _) = q.waiting.remove(i).expect("position is in range");
+            self.outstanding.fetch_sub(tokens, Ordering::Relaxed);
+            q.last_answer = Some(now);
         }
     }
 }
@@ -87,30 +94,46 @@ mod tests {
     fn a_follower_sees_only_the_prefill_left_to_do() {
         let q = PrefillQueue::default();
         let t0 = Instant::now();
-        assert_eq!(q.add(1_400, t0, 0.02, SPT), 0);
+        assert_eq!(q.add(1_400, t0, 0.02, SPT).1, 0);
         // 0.37 s later: 0.35 s of work done (700 tokens) of the 1,400.
-        let ahead = q.add(50, t0 + Duration::from_millis(370), 0.02, SPT);
+        let (_, ahead) = q.add(50, t0 + Duration::from_millis(370), 0.02, SPT);
         assert!((690..=710).contains(&ahead), "{ahead}");
         assert_eq!(q.outstanding(), 1_450);
-        // Long after, nothing is left to do even before the answers come back.
-        assert_eq!(q.remaining(t0 + Duration::from_secs(5), 0.02, SPT), 0);
+        // Long after, the oldest is credited whole but no more: the follower's 50 remain.
+        assert_eq!(q.remaining(t0 + Duration::from_secs(5), 0.02, SPT), 50);
     }
 
     #[test]
-    fn answered_work_is_not_counted_twice_and_an_empty_queue_starts_a_new_period() {
+    fn credit_never_piles_up_over_a_long_busy_period() {
+        let q = PrefillQueue::default();
+        let mut t = Instant::now();
+        let mut ids = Vec::new();
+        for _ in 0..4 {
+            ids.push(q.add(200, t, 0.0, SPT).0);
+        }
+        // An hour of steady traffic: answers and new requests keep the queue non-empty.
+        for _ in 0..1_000 {
+            t += Duration::from_millis(3_600);
+            q.done(ids.remove(0), t);
+            ids.push(q.add(200, t, 0.0, SPT).0);
+        }
+        // Just after an answer, the head has been worked on for no time: all 800 are ahead.
+        assert_eq!(q.remaining(t, 0.0, SPT), 800);
+        // 50 ms later, 100 tokens of the head are done, and only those.
+        assert_eq!(q.remaining(t + Duration::from_millis(50), 0.0, SPT), 700);
+    }
+
+    #[test]
+    fn answers_out_of_order_and_abandoned_requests_leave_the_queue() {
         let q = PrefillQueue::default();
         let t0 = Instant::now();
-        q.add(1_000, t0, 0.0, SPT);
-        q.add(1_000, t0, 0.0, SPT);
-        // 0.6 s: 1,200 tokens done; the first request is answered.
-        q.done(1_000);
-        let left = q.remaining(t0 + Duration::from_millis(600), 0.0, SPT);
-        assert!((790..=810).contains(&left), "{left}");
-        q.done(1_000);
+        let (a, _) = q.add(1_000, t0, 0.0, SPT);
+        let (b, _) = q.add(300, t0, 0.0, SPT);
+        q.done(b, t0 + Duration::from_millis(100));
+        assert_eq!(q.outstanding(), 1_000);
+        q.done(a, t0 + Duration::from_millis(200));
+        q.done(a, t0 + Duration::from_millis(300)); // twice: no effect
         assert_eq!(q.outstanding(), 0);
-        // A new busy period: nothing done of new work yet.
-        let t1 = t0 + Duration::from_secs(10);
-        q.add(500, t1, 0.0, SPT);
-        assert_eq!(q.remaining(t1, 0.0, SPT), 500);
+        assert_eq!(q.remaining(t0 + Duration::from_secs(1), 0.0, SPT), 0);
     }
 }
