@@ -1,6 +1,18 @@
 // Choosing the next token on the device: greedy, or temperature with top-p. One block per
 // sampled row; only the chosen token ids travel back to the host.
 
+// The warp's largest (value, index), the lowest index among equals, in every lane.
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) {
+            best = ov;
+            idx = oi;
+        }
+    }
+}
+
 // The index of the largest logit of each row, the lowest index among equals (as on the CPU).
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, u32* out) {
     __shared__ float best_v[32];
@@ -16,14 +28,7 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, u32* out)
         }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > best || (ov == best && oi < idx)) {
-            best = ov;
-            idx = oi;
-        }
-    }
+    warp_argmax(best, idx);
     if (lane == 0) {
         best_v[warp] = best;
         best_i[warp] = idx;
@@ -32,14 +37,7 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, u32* out)
     if (warp == 0) {
         best = lane < nw ? best_v[lane] : NEG_INF;
         idx = lane < nw ? best_i[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) {
-                best = ov;
-                idx = oi;
-            }
-        }
+        warp_argmax(best, idx);
         if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (u32)idx;
     }
 }

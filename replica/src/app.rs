@@ -277,6 +277,32 @@ struct RealModel {
     stem: String,
 }
 
+impl RealModel {
+    /// The parts a real-model backend serves with.
+    fn into_parts(
+        self,
+        cfg: &ReplicaConfig,
+        backend: Box<dyn EngineBackend>,
+        num_blocks: usize,
+        max_model_len: usize,
+        prefill_tokens_per_s: f64,
+        device: String,
+    ) -> BackendParts {
+        BackendParts {
+            backend,
+            tokenizer: self.tokenizer,
+            num_blocks,
+            max_model_len,
+            prefill_tokens_per_s: Some(prefill_tokens_per_s),
+            served_model_name: cfg.served_model_name.clone().unwrap_or(self.stem),
+            model_profile: format!("llama ({})", self.path.display()),
+            device,
+            kv_cache_dtype: "f16",
+            stop_token_ids: self.stop_token_ids,
+        }
+    }
+}
+
 /// Weights from `cfg.model` (a GGUF file or a Hugging Face folder), the tokenizer, and the
 /// tokens that end a turn.
 async fn load_real_model(cfg: &ReplicaConfig) -> Result<RealModel, BuildError> {
@@ -324,13 +350,8 @@ async fn load_real_model(cfg: &ReplicaConfig) -> Result<RealModel, BuildError> {
 
 /// The real model on CPU.
 async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
-    let RealModel {
-        path,
-        weights,
-        tokenizer,
-        stop_token_ids,
-        stem,
-    } = load_real_model(cfg).await?;
+    let model = load_real_model(cfg).await?;
+    let (path, weights) = (model.path.clone(), model.weights.clone());
     let per_token = CpuBackend::kv_bytes_per_token(&weights);
     let num_blocks = match cfg.num_gpu_blocks {
         Some(n) => n,
@@ -364,18 +385,14 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
         prefill_tokens_per_s = rate.round(),
         "cpu backend loaded"
     );
-    Ok(BackendParts {
-        backend: Box::new(backend),
-        tokenizer,
+    Ok(model.into_parts(
+        cfg,
+        Box::new(backend),
         num_blocks,
         max_model_len,
-        prefill_tokens_per_s: Some(rate),
-        served_model_name: cfg.served_model_name.clone().unwrap_or(stem),
-        model_profile: format!("llama ({})", path.display()),
-        device: format!("{threads} threads"),
-        kv_cache_dtype: "f16",
-        stop_token_ids,
-    })
+        rate,
+        format!("{threads} threads"),
+    ))
 }
 
 /// The real model on an NVIDIA GPU (feature `cuda`).
@@ -391,13 +408,8 @@ async fn cuda_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
             cfg.gpu_memory_utilization
         )));
     }
-    let RealModel {
-        path,
-        weights,
-        tokenizer,
-        stop_token_ids,
-        stem,
-    } = load_real_model(cfg).await?;
+    let model = load_real_model(cfg).await?;
+    let (path, weights) = (model.path.clone(), model.weights.clone());
     let blocks = match cfg.num_gpu_blocks {
         Some(n) => KvBlocks::Count(n),
         None => KvBlocks::MemoryFraction(cfg.gpu_memory_utilization),
@@ -427,18 +439,14 @@ async fn cuda_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
             "cuda backend loaded"
         );
     }
-    Ok(BackendParts {
-        backend: Box::new(backend),
-        tokenizer,
+    Ok(model.into_parts(
+        cfg,
+        Box::new(backend),
         num_blocks,
         max_model_len,
-        prefill_tokens_per_s: Some(rate),
-        served_model_name: cfg.served_model_name.clone().unwrap_or(stem),
-        model_profile: format!("llama ({})", path.display()),
+        rate,
         device,
-        kv_cache_dtype: "f16",
-        stop_token_ids,
-    })
+    ))
 }
 
 /// This build has no CUDA support: `--backend cuda` is refused in one line.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::roofline::StepCost;
 use crate::sampling::TokenLogprobs;
-use crate::scheduler::ScheduledItem;
+use crate::scheduler::{ScheduledItem, SeqId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
@@ -41,6 +41,33 @@ pub struct StepResult {
     /// Per sampled token, in the order of `sampled`: its log-probabilities when the request
     /// asked for them (may be empty when no request did).
     pub logprobs: Vec<Option<Arc<TokenLogprobs>>>,
+}
+
+/// Logits kept per sampled item while switched on: tests and detectors compare backends by
+/// them. Shared by the backends that compute.
+#[derive(Debug, Default)]
+pub struct LogitCapture(Option<Vec<(SeqId, Vec<f32>)>>);
+
+impl LogitCapture {
+    pub fn set(&mut self, on: bool) {
+        self.0 = on.then(Vec::new);
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Keeps `logits` of sequence `seq` when on.
+    pub fn push(&mut self, seq: SeqId, logits: Vec<f32>) {
+        if let Some(c) = self.0.as_mut() {
+            c.push((seq, logits));
+        }
+    }
+
+    /// What was kept since the last call, in step order.
+    pub fn take(&mut self) -> Vec<(SeqId, Vec<f32>)> {
+        self.0.as_mut().map(std::mem::take).unwrap_or_default()
+    }
 }
 
 pub trait EngineBackend: Send + 'static {

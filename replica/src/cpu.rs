@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kernels::{AttentionShape, PagedKvCache};
 
-use crate::backend::{EngineBackend, StepResult};
+use crate::backend::{EngineBackend, LogitCapture, StepResult};
 use crate::model::{forward, LlamaWeights, SeqSlice};
 use crate::sampling::sample;
 use crate::scheduler::{ScheduledItem, SeqId};
@@ -17,7 +17,7 @@ pub struct CpuBackend {
     weights: Arc<LlamaWeights>,
     kv: PagedKvCache,
     pool: rayon::ThreadPool,
-    captured: Option<Vec<(SeqId, Vec<f32>)>>,
+    captured: LogitCapture,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -65,7 +65,7 @@ impl CpuBackend {
             weights,
             kv,
             pool,
-            captured: None,
+            captured: LogitCapture::default(),
         })
     }
 
@@ -88,15 +88,12 @@ impl CpuBackend {
 
     /// Keeps each sampled item's logits from now on (detectors compare them).
     pub fn capture_logits(&mut self, on: bool) {
-        self.captured = on.then(Vec::new);
+        self.captured.set(on);
     }
 
     /// The logits captured since the last call, as (sequence, logits) in step order.
     pub fn take_logits(&mut self) -> Vec<(SeqId, Vec<f32>)> {
-        self.captured
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
+        self.captured.take()
     }
 
     /// The paged cache itself (detectors plant faults in it).
@@ -158,9 +155,7 @@ impl EngineBackend for CpuBackend {
             let (token, lp) = sample(&l, &item.sampling, item.output_index);
             result.sampled.push(token);
             result.logprobs.push(lp.map(Arc::new));
-            if let Some(c) = self.captured.as_mut() {
-                c.push((item.seq_id, l));
-            }
+            self.captured.push(item.seq_id, l);
         }
         result
     }

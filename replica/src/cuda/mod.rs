@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kernels::gpu::{Gpu, GpuError};
 use kernels::{AttentionShape, SeqSlice};
 
-use crate::backend::{EngineBackend, StepResult};
+use crate::backend::{EngineBackend, LogitCapture, StepResult};
 use crate::model::LlamaWeights;
 use crate::sampling::{sample, uniform_draw, SamplingParams};
 use crate::scheduler::{ScheduledItem, SeqId};
@@ -34,7 +34,7 @@ pub struct CudaBackend {
     sampled: cudarc::driver::CudaSlice<u32>,
     greedy: cudarc::driver::CudaSlice<u32>,
     params: cudarc::driver::CudaSlice<f32>,
-    captured: Option<Vec<(SeqId, Vec<f32>)>>,
+    captured: LogitCapture,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -133,7 +133,7 @@ impl CudaBackend {
             weights: dev,
             kv,
             scratch,
-            captured: None,
+            captured: LogitCapture::default(),
         })
     }
 
@@ -164,15 +164,12 @@ impl CudaBackend {
 
     /// Keeps each sampled item's logits from now on (tests compare them with the CPU's).
     pub fn capture_logits(&mut self, on: bool) {
-        self.captured = on.then(Vec::new);
+        self.captured.set(on);
     }
 
     /// The logits captured since the last call, as (sequence, logits) in step order.
     pub fn take_logits(&mut self) -> Vec<(SeqId, Vec<f32>)> {
-        self.captured
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
+        self.captured.take()
     }
 
     /// Runs a forward pass and waits for it; leaves the logits on the device.
@@ -274,7 +271,7 @@ impl CudaBackend {
         for (r, item) in samplers.iter().enumerate() {
             let p = &item.sampling;
             let row_at = logits + (4 * r * vocab) as u64;
-            let needs_row = on_host(p) || self.captured.is_some();
+            let needs_row = on_host(p) || self.captured.is_on();
             let row = if needs_row {
                 Some(self.gpu.read_at::<f32>(row_at, vocab)?)
             } else {
@@ -289,8 +286,8 @@ impl CudaBackend {
             };
             result.sampled.push(token);
             result.logprobs.push(lp.map(Arc::new));
-            if let (Some(c), Some(row)) = (self.captured.as_mut(), row) {
-                c.push((item.seq_id, row));
+            if let Some(row) = row.filter(|_| self.captured.is_on()) {
+                self.captured.push(item.seq_id, row);
             }
         }
         Ok(result)
