@@ -52,6 +52,9 @@ fn default_tie_ms() -> f64 {
 fn default_tie_ratio() -> f64 {
     0.1
 }
+fn default_itl_headroom() -> f64 {
+    0.8
+}
 /// The request-count guard's threshold under the `tokens` cost when none is set.
 pub const TOKENS_ABS_THRESHOLD: u32 = 16;
 
@@ -106,6 +109,12 @@ pub struct PrefixAwareConfig {
     pub tie_ms: f64,
     #[serde(default = "default_tie_ratio")]
     pub tie_ratio: f64,
+    /// `ttft` cost: a replica whose learnt p95 inter-token gap with one more stream exceeds
+    /// this share of the route's inter-token promise is passed over while another replica
+    /// keeps within it (the route's own promise, or the strictest of the routes sharing its
+    /// replicas; no promise, no check). A large value turns the check off.
+    #[serde(default = "default_itl_headroom")]
+    pub itl_headroom: f64,
     /// Cost of one uncached prompt token (prefill work).
     #[serde(default = "default_prefill_weight")]
     pub prefill_weight: f64,
@@ -133,6 +142,7 @@ impl Default for PrefixAwareConfig {
             stall_weight: default_stall_weight(),
             tie_ms: default_tie_ms(),
             tie_ratio: default_tie_ratio(),
+            itl_headroom: default_itl_headroom(),
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
@@ -288,6 +298,12 @@ impl PolicyConfig {
                         "must be a non-negative number",
                     );
                 }
+                v.check(
+                    c.itl_headroom.is_finite() && c.itl_headroom > 0.0,
+                    &f("itl_headroom"),
+                    c.itl_headroom,
+                    "must be a positive number (a share of the inter-token promise)",
+                );
                 v.check(
                     c.balance_rel_threshold.is_finite() && c.balance_rel_threshold >= 1.0,
                     &f("balance_rel_threshold"),

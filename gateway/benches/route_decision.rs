@@ -83,6 +83,7 @@ fn bench(c: &mut Criterion) {
             matched_blocks: &matched,
             offloaded_blocks: &[],
             session_id: p.session_id.as_deref(),
+            itl_target_s: None,
             dry_run: false,
         };
         policy.route(&req, &set).unwrap()

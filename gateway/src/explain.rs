@@ -88,11 +88,16 @@ impl GatewayState {
                         "prefill_tokens_per_s": 1.0 / r.speed.seconds_per_token,
                         "overhead_s": r.speed.overhead_s,
                         "decode_step_s": r.speed.decode_step_s,
+                        "itl_p95_s_one_more": r.speed.itl_p95_s,
                         "chunk_tokens": r.speed.chunk_tokens,
                     },
                     "predicted_ttft_s": score.and_then(|s| s.estimate).map(|e| e.ttft_s),
                     "own_prefill_s": score.and_then(|s| s.estimate).map(|e| e.own_prefill_s),
                     "cost": score.map(|s| s.cost),
+                    "itl_over_limit": score.and_then(|s| s.itl_over).map(|o| json!({
+                        "predicted_p95_s": o.predicted_s,
+                        "limit_s": o.limit_s,
+                    })),
                     "admission": admission,
                 })
             })

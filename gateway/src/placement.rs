@@ -77,6 +77,15 @@ pub struct Placement {
     pub preferred: Option<RouteDecision>,
 }
 
+/// What one placement asks the policy about, whatever the replicas it may choose from.
+#[derive(Clone, Copy)]
+struct Ask<'a> {
+    route: &'a ActiveRoute,
+    p: &'a Prepared,
+    matched: &'a [usize],
+    itl: Option<Duration>,
+}
+
 impl GatewayState {
     /// Uncached prompt tokens of `p` at replica `i`.
     pub(crate) fn uncached(&self, p: &Prepared, matched: &[usize], i: usize) -> u64 {
@@ -108,10 +117,18 @@ impl GatewayState {
         let outside: Vec<usize> = (0..placement.fleet.replicas.len())
             .filter(|i| !route.pool.contains(i))
             .collect();
+        // The inter-token promise the stream is held to: a route without one (batch work)
+        // still may not break the promise of the routes it shares replicas with.
+        let itl = route.slo.itl.or_else(|| a.strictest_itl(&route.pool));
+        let ask = Ask {
+            route,
+            p,
+            matched,
+            itl,
+        };
         if let Purpose::Retry { tried } = purpose {
             let exclude: Vec<usize> = outside.iter().chain(tried).copied().collect();
-            placement.outcome =
-                match self.decide(&placement.fleet, route, p, matched, &exclude, false) {
+            placement.outcome = match self.decide(&placement.fleet, &ask, &exclude, false) {
                     Ok(d) => Outcome::Go(d),
                     Err(e) => Outcome::Fail(e),
                 };
@@ -139,9 +156,6 @@ impl GatewayState {
         let mut exclude = outside.clone();
         if cfg.admission {
             let h = a.file.admission_headroom;
-            // A route without an inter-token promise (batch work) still may not break the
-            // promise of the routes it shares replicas with: it yields to the strictest.
-            let itl = route.slo.itl.or_else(|| a.strictest_itl(&route.pool));
             let slo = Slo {
                 ttft: route.slo.ttft.map(|t| t.mul_f64(h).saturating_sub(waited)),
                 itl: itl.map(|t| t.mul_f64(h)),
@@ -168,9 +182,7 @@ impl GatewayState {
         }
         let dry_run = purpose.dry_run();
         if !placement.held.is_empty() {
-            placement.preferred = self
-                .decide(&placement.fleet, route, p, matched, &outside, true)
-                .ok();
+            placement.preferred = self.decide(&placement.fleet, &ask, &outside, true).ok();
         }
         // Affinity patience: when the replica the policy prefers (ignoring admission) is held
         // and no admissible replica holds as much of the prompt, wait for it rather than send
@@ -200,8 +212,7 @@ impl GatewayState {
                 }
             }
         }
-        placement.outcome =
-            match self.decide(&placement.fleet, route, p, matched, &exclude, dry_run) {
+        placement.outcome = match self.decide(&placement.fleet, &ask, &exclude, dry_run) {
                 Ok(d) => Outcome::Go(d),
                 Err(e) => match placement.held.first() {
                     Some((_, h)) => Outcome::Hold {
@@ -218,12 +229,16 @@ impl GatewayState {
     fn decide(
         &self,
         fleet: &ReplicaSet,
-        route: &ActiveRoute,
-        p: &Prepared,
-        matched: &[usize],
+        ask: &Ask<'_>,
         exclude: &[usize],
         dry_run: bool,
     ) -> Result<RouteDecision, ApiError> {
+        let Ask {
+            route,
+            p,
+            matched,
+            itl,
+        } = *ask;
         let mut set = fleet.clone();
         for &x in exclude {
             if let Some(r) = set.replicas.get_mut(x) {
@@ -238,6 +253,7 @@ impl GatewayState {
             matched_blocks: matched,
             offloaded_blocks: &offloaded,
             session_id: p.session_id.as_deref(),
+            itl_target_s: itl.map(|d| d.as_secs_f64()),
             dry_run,
         };
         route

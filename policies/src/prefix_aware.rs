@@ -71,6 +71,14 @@ impl PrefixAware {
         let uncached = (req.prompt_tokens - cached - offloaded) as u64
             + (offloaded as f64 * OFFLOADED_TOKEN_COST).round() as u64;
         let load = r.load.requests();
+        let limit = req.itl_target_s.map(|t| t * self.cfg.itl_headroom);
+        let itl_over = match (self.cfg.cost, r.speed.itl_p95_s, limit) {
+            (CostModel::Ttft, Some(p), Some(l)) if p > l => Some(ItlOver {
+                predicted_s: p,
+                limit_s: l,
+            }),
+            _ => None,
+        };
         let (cost, estimate) = match self.cfg.cost {
             CostModel::Ttft => {
                 let e = r.speed.estimate(uncached, load);
@@ -91,6 +99,7 @@ impl PrefixAware {
             load,
             cost,
             estimate,
+            itl_over,
         }
     }
 
@@ -159,13 +168,19 @@ impl RoutingPolicy for PrefixAware {
             .healthy()
             .map(|(i, r)| self.score(req, i, r, shared_overhead))
             .collect();
-        let min_load = scores
+        // The inter-token promise first: a replica predicted to break it with one more stream
+        // is passed over while any keeps it (when none does, the cost alone decides).
+        let some_keep = scores.iter().any(|s| s.itl_over.is_none());
+        let eligible = scores
             .iter()
+            .filter(move |s| !some_keep || s.itl_over.is_none());
+        let min_load = eligible
+            .clone()
             .map(|s| s.load)
             .min()
             .ok_or(RouteError::NoHealthyReplica)?;
         let best = self
-            .pick(req, set, scores.iter())
+            .pick(req, set, eligible.clone())
             .expect("scores is non-empty");
         let ttft = |s: &ReplicaScore| s.estimate.map_or(0.0, |e| e.ttft_s);
         // The holder: the longest cached run of this prompt, the cheapest among equals.
@@ -178,8 +193,8 @@ impl RoutingPolicy for PrefixAware {
                     .then(a.cost.total_cmp(&b.cost))
             });
         let (chosen, reason) = if self.overloaded(best.load, min_load) {
-            let within = scores
-                .iter()
+            let within = eligible
+                .clone()
                 .filter(|s| s.load <= min_load + self.cfg.abs_threshold().unwrap_or(u32::MAX));
             let alt = self
                 .pick(req, set, within)
@@ -202,6 +217,7 @@ impl RoutingPolicy for PrefixAware {
                         holder_blocks: h.matched_blocks,
                         holder_ttft_s: ttft(h),
                         chosen_ttft_s: ttft(best),
+                        holder_itl: h.itl_over,
                     }
                 }
                 _ if best.matched_blocks > 0 => DecisionReason::PrefixMatch {
@@ -314,6 +330,7 @@ mod tests {
                 holder_blocks: 250,
                 holder_ttft_s,
                 chosen_ttft_s,
+                holder_itl: None,
             } => assert!(holder_ttft_s > chosen_ttft_s),
             other => panic!("{other:?}"),
         }
@@ -326,6 +343,54 @@ mod tests {
             .unwrap();
         assert_eq!(d.replica, 1);
         assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 250 });
+    }
+
+    #[test]
+    fn a_holder_that_would_break_the_inter_token_promise_is_passed_over() {
+        // Replica 0 holds the prompt and is quickest to a first token, but one more stream
+        // there is predicted a 140 ms p95 gap: over 0.8 x a 150 ms promise (120 ms). The
+        // request spreads to the replica that keeps it, and explain says why.
+        let hashes = [7u64; 250];
+        let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
+        for (r, p95) in set.replicas.iter_mut().zip([0.140, 0.080, 0.075]) {
+            r.speed.itl_p95_s = Some(p95);
+        }
+        let req = RouteRequest {
+            itl_target_s: Some(0.150),
+            ..long_request(&hashes, &[250, 0, 0])
+        };
+        let d = policy().route(&req, &set).unwrap();
+        assert_ne!(d.replica, 0, "{:?}", d.scores);
+        let over = d.scores[0].itl_over.expect("replica 0 is over the limit");
+        assert!((over.limit_s - 0.120).abs() < 1e-9, "{over:?}");
+        match &d.reason {
+            DecisionReason::Spread {
+                holder: 0,
+                holder_itl: Some(o),
+                holder_ttft_s,
+                chosen_ttft_s,
+                ..
+            } => {
+                assert_eq!(*o, over);
+                // It was not the first token that sent it away.
+                assert!(holder_ttft_s < chosen_ttft_s);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(d.reason.to_string().contains("140 ms"), "{}", d.reason);
+        // Without a promise, or when every replica is over it, the cost alone decides: the
+        // holder.
+        let no_promise = long_request(&hashes, &[250, 0, 0]);
+        assert_eq!(policy().route(&no_promise, &set).unwrap().replica, 0);
+        for r in &mut set.replicas {
+            r.speed.itl_p95_s = Some(0.2);
+        }
+        assert_eq!(policy().route(&req, &set).unwrap().replica, 0);
+        // The tokens cost keeps its old behaviour.
+        set.replicas[1].speed.itl_p95_s = Some(0.05);
+        assert!(tokens_policy().route(&req, &set).unwrap().scores[0]
+            .itl_over
+            .is_none());
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub struct SpeedView {
     /// The decode step (median inter-token gap) with one more sequence in the batch, once
     /// learnt (s).
     pub decode_step_s: Option<f64>,
+    /// The p95 inter-token gap with one more sequence in the batch, prefill stalls included,
+    /// once learnt (s): what a new stream there should expect against its promise.
+    pub itl_p95_s: Option<f64>,
     /// Prompt tokens the replica prefills per step (its chunk budget).
     pub chunk_tokens: u64,
 }
@@ -46,6 +49,7 @@ impl Default for SpeedView {
             seconds_per_token: 1.0 / 8_000.0,
             queued_prefill_tokens: 0,
             decode_step_s: None,
+            itl_p95_s: None,
             chunk_tokens: 2048,
         }
     }
@@ -114,6 +118,9 @@ pub struct RouteRequest<'a> {
     /// when no replica reports one.
     pub offloaded_blocks: &'a [usize],
     pub session_id: Option<&'a str>,
+    /// The inter-token promise (p95 gap, s) the request's stream is held to: its route's, or
+    /// the strictest of the routes sharing its replicas; `None` when there is none.
+    pub itl_target_s: Option<f64>,
     /// A preview (`explain`): the policy must not advance any state of its own.
     pub dry_run: bool,
 }
@@ -160,7 +167,19 @@ pub enum DecisionReason {
         holder_blocks: usize,
         holder_ttft_s: f64,
         chosen_ttft_s: f64,
+        /// Set when the holder was passed over for the inter-token promise rather than for
+        /// its predicted TTFT.
+        holder_itl: Option<ItlOver>,
     },
+}
+
+/// A replica predicted to break the inter-token promise with one more stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ItlOver {
+    /// Its learnt p95 inter-token gap with one more stream (s).
+    pub predicted_s: f64,
+    /// The limit it was held to: the promise × the policy's `itl_headroom` (s).
+    pub limit_s: f64,
 }
 
 impl DecisionReason {
@@ -199,11 +218,22 @@ impl fmt::Display for DecisionReason {
                 holder_blocks,
                 holder_ttft_s,
                 chosen_ttft_s,
-            } => write!(
-                f,
-                "spread(replica {holder} holds {holder_blocks} blocks but its predicted TTFT \
-                 {holder_ttft_s:.3} s exceeds {chosen_ttft_s:.3} s here)"
-            ),
+                holder_itl,
+            } => match holder_itl {
+                Some(o) => write!(
+                    f,
+                    "spread(replica {holder} holds {holder_blocks} blocks but one more stream \
+                     there is predicted a p95 inter-token gap of {:.0} ms, over the {:.0} ms \
+                     limit; predicted TTFT {holder_ttft_s:.3} s there, {chosen_ttft_s:.3} s here)",
+                    o.predicted_s * 1e3,
+                    o.limit_s * 1e3
+                ),
+                None => write!(
+                    f,
+                    "spread(replica {holder} holds {holder_blocks} blocks but its predicted TTFT \
+                     {holder_ttft_s:.3} s exceeds {chosen_ttft_s:.3} s here)"
+                ),
+            },
             DecisionReason::SessionFallback(inner) => write!(f, "session_fallback/{inner}"),
             other => f.write_str(other.label()),
         }
@@ -220,6 +250,9 @@ pub struct ReplicaScore {
     pub cost: f64,
     /// The prediction behind a `ttft` cost.
     pub estimate: Option<TtftEstimate>,
+    /// Under `ttft`: predicted to break the inter-token promise with one more stream, and so
+    /// passed over while another replica keeps it.
+    pub itl_over: Option<ItlOver>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -344,6 +377,7 @@ pub(crate) fn request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteReque
         matched_blocks: matched,
         offloaded_blocks: &[],
         session_id: None,
+        itl_target_s: None,
         dry_run: false,
     }
 }
