@@ -129,9 +129,9 @@ impl GatewayState {
         if let Purpose::Retry { tried } = purpose {
             let exclude: Vec<usize> = outside.iter().chain(tried).copied().collect();
             placement.outcome = match self.decide(&placement.fleet, &ask, &exclude, false) {
-                    Ok(d) => Outcome::Go(d),
-                    Err(e) => Outcome::Fail(e),
-                };
+                Ok(d) => Outcome::Go(d),
+                Err(e) => Outcome::Fail(e),
+            };
             return placement;
         }
         let (cfg, rt) = (&route.cfg, &route.rt);
@@ -213,15 +213,15 @@ impl GatewayState {
             }
         }
         placement.outcome = match self.decide(&placement.fleet, &ask, &exclude, dry_run) {
-                Ok(d) => Outcome::Go(d),
-                Err(e) => match placement.held.first() {
-                    Some((_, h)) => Outcome::Hold {
-                        reason: h.label(),
-                        blocking: true,
-                    },
-                    None => Outcome::Fail(e),
+            Ok(d) => Outcome::Go(d),
+            Err(e) => match placement.held.first() {
+                Some((_, h)) => Outcome::Hold {
+                    reason: h.label(),
+                    blocking: true,
                 },
-            };
+                None => Outcome::Fail(e),
+            },
+        };
         placement
     }
 
