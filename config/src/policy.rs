@@ -52,9 +52,6 @@ fn default_tie_ms() -> f64 {
 fn default_tie_ratio() -> f64 {
     0.1
 }
-fn default_itl_headroom() -> f64 {
-    0.8
-}
 /// The request-count guard's threshold under the `tokens` cost when none is set.
 pub const TOKENS_ABS_THRESHOLD: u32 = 16;
 
@@ -109,12 +106,15 @@ pub struct PrefixAwareConfig {
     pub tie_ms: f64,
     #[serde(default = "default_tie_ratio")]
     pub tie_ratio: f64,
-    /// `ttft` cost: a replica whose learnt p95 inter-token gap with one more stream exceeds
-    /// this share of the route's inter-token promise is passed over while another replica
-    /// keeps within it (the route's own promise, or the strictest of the routes sharing its
-    /// replicas; no promise, no check). A large value turns the check off.
-    #[serde(default = "default_itl_headroom")]
-    pub itl_headroom: f64,
+    /// `ttft` cost: a replica whose running streams see a decode step (their median
+    /// inter-token gap) over this share of the route's inter-token promise is passed over while
+    /// another replica keeps within it (the route's own promise, or the strictest of the
+    /// routes sharing its replicas; no promise, no check). The rest of the promise is room for
+    /// the prefill stalls a stream also sees, and for the batch growing during its life.
+    /// Unset (the default): no check. *Opt-in* because at 0.6 it fixed agent traffic at 24/s
+    /// (BENCHMARKS, issue 11) but gave chat reuse away at the knee; see docs/DESIGN.md.
+    #[serde(default)]
+    pub itl_headroom: Option<f64>,
     /// Cost of one uncached prompt token (prefill work).
     #[serde(default = "default_prefill_weight")]
     pub prefill_weight: f64,
@@ -142,7 +142,7 @@ impl Default for PrefixAwareConfig {
             stall_weight: default_stall_weight(),
             tie_ms: default_tie_ms(),
             tie_ratio: default_tie_ratio(),
-            itl_headroom: default_itl_headroom(),
+            itl_headroom: None,
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
@@ -298,10 +298,11 @@ impl PolicyConfig {
                         "must be a non-negative number",
                     );
                 }
+                let h = c.itl_headroom.unwrap_or(1.0);
                 v.check(
-                    c.itl_headroom.is_finite() && c.itl_headroom > 0.0,
+                    h.is_finite() && h > 0.0,
                     &f("itl_headroom"),
-                    c.itl_headroom,
+                    h,
                     "must be a positive number (a share of the inter-token promise)",
                 );
                 v.check(

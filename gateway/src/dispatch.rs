@@ -185,9 +185,6 @@ impl GatewayState {
                         self.router
                             .registry
                             .note_dispatch(d.replica, p.prompt_tokens as u64);
-                        // The prefix is the chosen replica's from now, for the next decision:
-                        // its blocks reach the index only when its prefill is done.
-                        self.router.speculate(d.replica, p);
                         let Some(replica) = self.router.registry.replica(d.replica) else {
                             continue;
                         };

@@ -205,6 +205,8 @@ pub struct LatencyModel {
     ttft: TtftFit,
     itl_by_batch: [Gaps; BATCH_BUCKETS.len()],
     recent: RecentGaps,
+    /// The median of the latest gaps, whatever the batch: the step its streams see now.
+    current: Quantile<500>,
 }
 
 impl LatencyModel {
@@ -247,6 +249,16 @@ impl LatencyModel {
     pub fn observe_itl(&mut self, batch: u32, gap: Duration) {
         self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
         self.recent.add(gap.as_secs_f64());
+        self.current.add(gap.as_secs_f64());
+    }
+
+    /// The median inter-token gap of the replica's latest streams, whatever their batch: the
+    /// decode step its streams see now (`None` before any gap). It tracks within tens of gaps
+    /// and keeps moving while the replica has streams, so a replica placement passes over for
+    /// it sees it fall as its batch drains — unlike a batch bucket, which learns only while
+    /// the replica runs that batch, and whose first gaps (often a stall) can hold it high.
+    pub fn current_step(&self) -> Option<Duration> {
+        self.current.q.map(Duration::from_secs_f64)
     }
 
     /// Share of the replica's recent gaps over `target` (`None` until enough were seen).
@@ -360,6 +372,26 @@ pub(crate) mod tests {
         }
         let p = m.predict_itl_p95(16).unwrap().as_secs_f64();
         assert!(p < 0.12, "{p}");
+    }
+
+    #[test]
+    fn the_current_step_follows_the_latest_gaps_whatever_the_batch() {
+        let mut m = LatencyModel::default();
+        assert_eq!(m.current_step(), None);
+        // A first stall, then a busy batch's 100 ms steps, then the batch drains to 60 ms.
+        m.observe_itl(1, 400 * MS);
+        for _ in 0..200 {
+            m.observe_itl(64, 100 * MS);
+        }
+        let busy = m.current_step().unwrap().as_secs_f64();
+        assert!((busy - 0.1).abs() < 0.01, "{busy}");
+        for _ in 0..200 {
+            m.observe_itl(4, 60 * MS);
+        }
+        let now = m.current_step().unwrap().as_secs_f64();
+        assert!((now - 0.06).abs() < 0.01, "{now}");
+        // The batch bucket of the first gap still holds the stall.
+        assert_eq!(m.predict_itl(1), Some(400 * MS));
     }
 
     #[test]

@@ -331,22 +331,22 @@ impl Router {
             .offloaded_lengths(&p.hashes[..p.cacheable], matched)
     }
 
-    /// The speculative index insert: `p`'s blocks are taken to be at `replica` from the moment
-    /// it is sent there, so the requests right behind it (a burst sharing a prefix) find the
-    /// holder before its prefill finishes and its own KV events arrive. Short-lived for replicas
-    /// with live events (`speculative_ttl_s`). *Decision*: at send, not at the first answer
-    /// (which let a burst's followers each go cold: A100 bursty 6/s, BENCHMARKS issue 11).
-    /// One holder per prefix from its first request is safe because the `ttft` cost passes
-    /// over a holder predicted to break the inter-token promise (`itl_headroom`); without
-    /// that, agent traffic at 24/s sat on three replicas and broke the promise.
+    /// The speculative index insert: `p`'s blocks are taken to be at `replica` once it has
+    /// answered (its first token), until its own KV events arrive; short-lived for replicas
+    /// with live events (`speculative_ttl_s`). *Decision*: not at send time. Inserting at send
+    /// gives every new prefix exactly one holder at once; agent traffic at 24/s then sat on
+    /// three replicas and broke the inter-token promise (BENCHMARKS, issue 11). The opt-in
+    /// inter-token check (`itl_headroom`) prevents that, but is not the default yet, since it
+    /// gives chat reuse away at the knee.
     pub fn speculate(&self, replica: usize, p: &Prepared) {
         self.registry
             .index
             .record_routed(replica, &p.hashes, self.registry.now_s());
     }
 
-    /// Records a decision whose replica answered: metrics.
+    /// Records a decision whose replica answered: the speculative insert and metrics.
     pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
+        self.speculate(d.replica, p);
         self.metrics.decision(policy, d.reason.label());
         if let Some(r) = self.registry.replica(d.replica) {
             r.metrics().prompt_tokens.increment(p.prompt_tokens as u64);

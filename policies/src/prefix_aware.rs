@@ -71,8 +71,13 @@ impl PrefixAware {
         let uncached = (req.prompt_tokens - cached - offloaded) as u64
             + (offloaded as f64 * OFFLOADED_TOKEN_COST).round() as u64;
         let load = r.load.requests();
-        let limit = req.itl_target_s.map(|t| t * self.cfg.itl_headroom);
-        let itl_over = match (self.cfg.cost, r.speed.itl_p95_s, limit) {
+        let limit = self
+            .cfg
+            .itl_headroom
+            .and_then(|h| req.itl_target_s.map(|t| t * h));
+        // Only a replica with streams running can break a promise by taking one more.
+        let step = r.speed.current_step_s.filter(|_| load > 0);
+        let itl_over = match (self.cfg.cost, step, limit) {
             (CostModel::Ttft, Some(p), Some(l)) if p > l => Some(ItlOver {
                 predicted_s: p,
                 limit_s: l,
@@ -347,22 +352,29 @@ mod tests {
 
     #[test]
     fn a_holder_that_would_break_the_inter_token_promise_is_passed_over() {
-        // Replica 0 holds the prompt and is quickest to a first token, but one more stream
-        // there is predicted a 140 ms p95 gap: over 0.8 x a 150 ms promise (120 ms). The
-        // request spreads to the replica that keeps it, and explain says why.
+        // Replica 0 holds the prompt and is quickest to a first token, but its streams see
+        // a 140 ms decode step: over 0.6 x a 150 ms promise (90 ms). The request spreads to a
+        // replica that keeps it, and explain says why.
         let hashes = [7u64; 250];
         let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
-        for (r, p95) in set.replicas.iter_mut().zip([0.140, 0.080, 0.075]) {
-            r.speed.itl_p95_s = Some(p95);
+        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.080, 0.075]) {
+            r.speed.current_step_s = Some(step);
         }
         let req = RouteRequest {
             itl_target_s: Some(0.150),
             ..long_request(&hashes, &[250, 0, 0])
         };
+        let checked = PrefixAware::new(PrefixAwareConfig {
+            itl_headroom: Some(0.6),
+            ..PrefixAwareConfig::default()
+        });
+        // Off by default: the holder.
+        assert_eq!(policy().route(&req, &set).unwrap().replica, 0);
+        let policy = || &checked;
         let d = policy().route(&req, &set).unwrap();
         assert_ne!(d.replica, 0, "{:?}", d.scores);
         let over = d.scores[0].itl_over.expect("replica 0 is over the limit");
-        assert!((over.limit_s - 0.120).abs() < 1e-9, "{over:?}");
+        assert!((over.limit_s - 0.090).abs() < 1e-9, "{over:?}");
         match &d.reason {
             DecisionReason::Spread {
                 holder: 0,
@@ -383,11 +395,15 @@ mod tests {
         let no_promise = long_request(&hashes, &[250, 0, 0]);
         assert_eq!(policy().route(&no_promise, &set).unwrap().replica, 0);
         for r in &mut set.replicas {
-            r.speed.itl_p95_s = Some(0.2);
+            r.speed.current_step_s = Some(0.2);
         }
         assert_eq!(policy().route(&req, &set).unwrap().replica, 0);
+        // A replica with nothing running breaks no stream's promise, whatever it last saw.
+        let mut idle = timed_fleet(&[0, 20, 30], &[0, 0, 0]);
+        idle.replicas[0].speed.current_step_s = Some(0.2);
+        assert_eq!(policy().route(&req, &idle).unwrap().replica, 0);
         // The tokens cost keeps its old behaviour.
-        set.replicas[1].speed.itl_p95_s = Some(0.05);
+        set.replicas[1].speed.current_step_s = Some(0.05);
         assert!(tokens_policy().route(&req, &set).unwrap().scores[0]
             .itl_over
             .is_none());

@@ -34,9 +34,9 @@ pub struct SpeedView {
     /// The decode step (median inter-token gap) with one more sequence in the batch, once
     /// learnt (s).
     pub decode_step_s: Option<f64>,
-    /// The p95 inter-token gap with one more sequence in the batch, prefill stalls included,
-    /// once learnt (s): what a new stream there should expect against its promise.
-    pub itl_p95_s: Option<f64>,
+    /// The median inter-token gap its streams see now, whatever the batch (s); `None` before
+    /// any was seen.
+    pub current_step_s: Option<f64>,
     /// Prompt tokens the replica prefills per step (its chunk budget).
     pub chunk_tokens: u64,
 }
@@ -49,7 +49,7 @@ impl Default for SpeedView {
             seconds_per_token: 1.0 / 8_000.0,
             queued_prefill_tokens: 0,
             decode_step_s: None,
-            itl_p95_s: None,
+            current_step_s: None,
             chunk_tokens: 2048,
         }
     }
@@ -176,7 +176,7 @@ pub enum DecisionReason {
 /// A replica predicted to break the inter-token promise with one more stream.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ItlOver {
-    /// Its learnt p95 inter-token gap with one more stream (s).
+    /// The decode step its streams see now (their median inter-token gap, s).
     pub predicted_s: f64,
     /// The limit it was held to: the promise × the policy's `itl_headroom` (s).
     pub limit_s: f64,
@@ -222,9 +222,10 @@ impl fmt::Display for DecisionReason {
             } => match holder_itl {
                 Some(o) => write!(
                     f,
-                    "spread(replica {holder} holds {holder_blocks} blocks but one more stream \
-                     there is predicted a p95 inter-token gap of {:.0} ms, over the {:.0} ms \
-                     limit; predicted TTFT {holder_ttft_s:.3} s there, {chosen_ttft_s:.3} s here)",
+                    "spread(replica {holder} holds {holder_blocks} blocks but its streams see a \
+                     {:.0} ms decode step, over the {:.0} ms limit for the inter-token \
+                     promise; predicted TTFT {holder_ttft_s:.3} s there, {chosen_ttft_s:.3} s \
+                     here)",
                     o.predicted_s * 1e3,
                     o.limit_s * 1e3
                 ),

@@ -220,7 +220,8 @@ impl ReplicaHandle {
 
 impl ReplicaHandle {
     /// What placement knows of this replica's speed now: the learnt TTFT fit, the prefill
-    /// queued ahead, the decode step and p95 gap with one more sequence, the chunk budget.
+    /// queued ahead, the decode step with one more sequence and the one its streams see now,
+    /// the chunk budget.
     pub fn speed(&self) -> SpeedView {
         let batch = self.load().requests() + 1;
         let m = self.model.lock();
@@ -235,7 +236,7 @@ impl ReplicaHandle {
                 seconds_per_token,
             ),
             decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
-            itl_p95_s: m.predict_itl_p95(batch).map(|d| d.as_secs_f64()),
+            current_step_s: m.current_step().map(|d| d.as_secs_f64()),
             chunk_tokens: if chunk > 0 {
                 chunk
             } else {
