@@ -298,13 +298,14 @@ impl PolicyConfig {
                         "must be a non-negative number",
                     );
                 }
-                let h = c.itl_headroom.unwrap_or(1.0);
-                v.check(
-                    h.is_finite() && h > 0.0,
-                    &f("itl_headroom"),
-                    h,
-                    "must be a positive number (a share of the inter-token promise)",
-                );
+                if let Some(h) = c.itl_headroom {
+                    v.check(
+                        h.is_finite() && h > 0.0,
+                        &f("itl_headroom"),
+                        h,
+                        "must be a positive number (a share of the inter-token promise)",
+                    );
+                }
                 v.check(
                     c.balance_rel_threshold.is_finite() && c.balance_rel_threshold >= 1.0,
                     &f("balance_rel_threshold"),

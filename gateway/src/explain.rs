@@ -95,7 +95,7 @@ impl GatewayState {
                     "own_prefill_s": score.and_then(|s| s.estimate).map(|e| e.own_prefill_s),
                     "cost": score.map(|s| s.cost),
                     "itl_over_limit": score.and_then(|s| s.itl_over).map(|o| json!({
-                        "decode_step_s": o.predicted_s,
+                        "decode_step_s": o.step_s,
                         "limit_s": o.limit_s,
                     })),
                     "admission": admission,

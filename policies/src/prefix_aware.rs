@@ -79,7 +79,7 @@ impl PrefixAware {
         let step = r.speed.current_step_s.filter(|_| load > 0);
         let itl_over = match (self.cfg.cost, step, limit) {
             (CostModel::Ttft, Some(p), Some(l)) if p > l => Some(ItlOver {
-                predicted_s: p,
+                step_s: p,
                 limit_s: l,
             }),
             _ => None,
@@ -173,8 +173,9 @@ impl RoutingPolicy for PrefixAware {
             .healthy()
             .map(|(i, r)| self.score(req, i, r, shared_overhead))
             .collect();
-        // The inter-token promise first: a replica predicted to break it with one more stream
-        // is passed over while any keeps it (when none does, the cost alone decides).
+        // The inter-token promise first (`itl_headroom`): a replica whose streams already see a
+        // decode step over the limit is passed over while any keeps within it (when none
+        // does, the cost alone decides).
         let some_keep = scores.iter().any(|s| s.itl_over.is_none());
         let eligible = scores
             .iter()
@@ -370,8 +371,7 @@ mod tests {
         });
         // Off by default: the holder.
         assert_eq!(policy().route(&req, &set).unwrap().replica, 0);
-        let policy = || &checked;
-        let d = policy().route(&req, &set).unwrap();
+        let d = checked.route(&req, &set).unwrap();
         assert_ne!(d.replica, 0, "{:?}", d.scores);
         let over = d.scores[0].itl_over.expect("replica 0 is over the limit");
         assert!((over.limit_s - 0.090).abs() < 1e-9, "{over:?}");
@@ -393,18 +393,25 @@ mod tests {
         // Without a promise, or when every replica is over it, the cost alone decides: the
         // holder.
         let no_promise = long_request(&hashes, &[250, 0, 0]);
-        assert_eq!(policy().route(&no_promise, &set).unwrap().replica, 0);
+        assert_eq!(checked.route(&no_promise, &set).unwrap().replica, 0);
         for r in &mut set.replicas {
             r.speed.current_step_s = Some(0.2);
         }
-        assert_eq!(policy().route(&req, &set).unwrap().replica, 0);
+        assert_eq!(checked.route(&req, &set).unwrap().replica, 0);
         // A replica with nothing running breaks no stream's promise, whatever it last saw.
         let mut idle = timed_fleet(&[0, 20, 30], &[0, 0, 0]);
         idle.replicas[0].speed.current_step_s = Some(0.2);
-        assert_eq!(policy().route(&req, &idle).unwrap().replica, 0);
+        assert_eq!(checked.route(&req, &idle).unwrap().replica, 0);
         // The tokens cost keeps its old behaviour.
         set.replicas[1].speed.current_step_s = Some(0.05);
-        assert!(tokens_policy().route(&req, &set).unwrap().scores[0]
+        assert!(PrefixAware::new(PrefixAwareConfig {
+            cost: CostModel::Tokens,
+            itl_headroom: Some(0.6),
+            ..PrefixAwareConfig::default()
+        })
+        .route(&req, &set)
+        .unwrap()
+        .scores[0]
             .itl_over
             .is_none());
     }

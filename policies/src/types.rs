@@ -173,11 +173,11 @@ pub enum DecisionReason {
     },
 }
 
-/// A replica predicted to break the inter-token promise with one more stream.
+/// A replica whose running streams see a decode step over the inter-token limit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ItlOver {
     /// The decode step its streams see now (their median inter-token gap, s).
-    pub predicted_s: f64,
+    pub step_s: f64,
     /// The limit it was held to: the promise × the policy's `itl_headroom` (s).
     pub limit_s: f64,
 }
@@ -226,7 +226,7 @@ impl fmt::Display for DecisionReason {
                      {:.0} ms decode step, over the {:.0} ms limit for the inter-token \
                      promise; predicted TTFT {holder_ttft_s:.3} s there, {chosen_ttft_s:.3} s \
                      here)",
-                    o.predicted_s * 1e3,
+                    o.step_s * 1e3,
                     o.limit_s * 1e3
                 ),
                 None => write!(
@@ -251,7 +251,7 @@ pub struct ReplicaScore {
     pub cost: f64,
     /// The prediction behind a `ttft` cost.
     pub estimate: Option<TtftEstimate>,
-    /// Under `ttft`: predicted to break the inter-token promise with one more stream, and so
+    /// Under `ttft` with `itl_headroom`: its streams see a decode step over the limit, and so
     /// passed over while another replica keeps it.
     pub itl_over: Option<ItlOver>,
 }
