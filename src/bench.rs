@@ -1,0 +1,189 @@
+//! `kvgate bench`: its arguments and the wiring from them to the `loadtest` crate.
+
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Target base URL, or NAME=URL; repeat to compare targets in one interleaved run.
+    #[arg(long = "target", required = true)]
+    pub targets: Vec<String>,
+    /// Model name sent in every request (the served name).
+    #[arg(long, default_value = "Qwen3-8B")]
+    pub model: String,
+    /// chat, agent, rag, mixed-tail, bursty (popular prefixes in clusters) or trace (with --trace).
+    #[arg(long, default_value = "chat")]
+    pub workload: String,
+    /// JSONL trace to replay (timestamp + prompt or messages + max_tokens per line). Its
+    /// spacing is kept, rescaled so the mean rate equals --rate / each of --rates.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Arrival rate, requests per second (one rate; 2 when neither --rate nor --rates is given).
+    #[arg(long, conflicts_with = "rates")]
+    pub rate: Option<f64>,
+    /// Rate sweep, e.g. 2,4,8 (every target at every rate).
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// Seconds of arrivals per run.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Upper bound on requests sent per run.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_requests: usize,
+    /// Seconds at the start of each run whose requests are not reported (must be shorter than
+    /// --duration).
+    #[arg(long, default_value_t = 5.0)]
+    pub warmup: f64,
+    /// Seed of the arrival schedule and the workload (same seed, same requests).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// TTFT target for goodput, milliseconds.
+    #[arg(long)]
+    pub slo_ttft_ms: Option<u64>,
+    /// Inter-token target (p95 of each request's gaps) for goodput, milliseconds.
+    #[arg(long)]
+    pub slo_itl_ms: Option<u64>,
+    /// Replica base URL to `POST /flush_cache` before every run (repeat for each replica).
+    #[arg(long = "flush")]
+    pub flush: Vec<String>,
+    /// Write report.json, report.md and plots (PNG and SVG) into this folder.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write the report as JSON here (single target and rate: with every sample).
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Tokenizer folder for the oracle hit ratio (default: models/qwen3); the oracle is skipped
+    /// when none is found.
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// KV block size the oracle hashes with.
+    #[arg(long, default_value_t = protocol::hashing::DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+    /// No progress line on the terminal.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+pub async fn run_bench(a: BenchArgs) -> Result<()> {
+    use loadtest::run::{Slo, Workload};
+    let workload = match (a.workload.as_str(), &a.trace) {
+        ("trace", Some(p)) | (_, Some(p)) => {
+            Workload::Trace(std::sync::Arc::new(loadtest::trace::Trace::load(p)?))
+        }
+        ("trace", None) => bail!("--workload trace needs --trace FILE"),
+        (w, None) => Workload::Generated(loadtest::workload::Kind::parse(w).ok_or_else(|| {
+            anyhow!("--workload must be chat, agent, rag, mixed-tail, bursty or trace")
+        })?),
+    };
+    let rates: Vec<f64> = match (a.rate, a.rates.is_empty()) {
+        (Some(r), _) => vec![r],
+        (None, true) => vec![2.0],
+        (None, false) => a.rates.clone(),
+    };
+    if rates.iter().any(|r| !(*r > 0.0 && r.is_finite()))
+        || !(a.duration > 0.0 && a.warmup >= 0.0 && a.warmup < a.duration)
+    {
+        bail!("rates and --duration must be positive, and 0 <= --warmup < --duration");
+    }
+    let targets: Vec<loadtest::compare::Target> = a
+        .targets
+        .iter()
+        .map(|t| loadtest::compare::Target::parse(t))
+        .collect();
+    loadtest::compare::preflight(&targets)
+        .await
+        .map_err(|e| anyhow!(e))?;
+    let base = loadtest::run::RunSpec {
+        base_url: targets[0].url.clone(),
+        label: targets[0].name.clone(),
+        model: a.model.clone(),
+        workload: workload.clone(),
+        rate: rates[0],
+        duration: std::time::Duration::from_secs_f64(a.duration),
+        max_requests: a.max_requests,
+        warmup: std::time::Duration::from_secs_f64(a.warmup),
+        seed: a.seed,
+        request_timeout: std::time::Duration::from_secs(600),
+        slo: Slo::from_ms(a.slo_ttft_ms, a.slo_itl_ms),
+        progress: !a.no_progress,
+    };
+    // Single target, single rate, no flush: one run, every sample in --json-out.
+    if targets.len() == 1 && rates.len() == 1 && a.out.is_none() {
+        let report = loadtest::run::run(&base).await;
+        print!("{}", report.table());
+        if let Some(path) = &a.json_out {
+            std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            println!("report written to {}", path.display());
+        }
+        if report.ok == 0 {
+            bail!(
+                "no request succeeded; first error: {}",
+                report
+                    .samples
+                    .iter()
+                    .find_map(|s| s.error.clone())
+                    .unwrap_or_else(|| "none recorded".into())
+            );
+        }
+        return Ok(());
+    }
+    let tok_dir = a
+        .tokenizer
+        .clone()
+        .or_else(protocol::tokenizer::default_tokenizer_dir);
+    let tok = tok_dir
+        .as_ref()
+        .and_then(|d| protocol::tokenizer::TextTokenizer::from_path(d).ok());
+    if tok.is_none() {
+        eprintln!("no tokenizer found: the oracle hit ratio is left out (pass --tokenizer DIR)");
+    }
+    let (duration, max_requests, seed) = (base.duration, base.max_requests, base.seed);
+    let oracle = |rate: f64| {
+        let tok = tok.as_ref()?;
+        let (at, items) = workload.plan(rate, duration, max_requests, seed);
+        let measure: Vec<bool> = at.iter().map(|t| *t >= a.warmup).collect();
+        loadtest::oracle::oracle_hits(tok, &a.model, a.block_size, &items, &measure)
+            .ok()
+            .map(|h| h.ratio())
+    };
+    let spec = loadtest::compare::CompareSpec {
+        targets,
+        rates,
+        flush: a.flush.clone(),
+        base,
+    };
+    let total = spec.targets.len() * spec.rates.len();
+    let mut done = 0;
+    let report = loadtest::compare::compare(&spec, oracle, |r| {
+        done += 1;
+        println!("[{done}/{total}] {} at {:.2}/s: ok {} shed {} errors {}  req/s {:.2}  goodput {:.2}  TTFT p95 {} ms  prefix hit {:.1}%",
+            r.target, r.rate, r.ok, r.shed, r.errors, r.requests_per_s, r.goodput_requests_per_s,
+            r.ttft_s.as_ref().map_or("-".into(), |s| format!("{:.0}", s.p95 * 1e3)),
+            r.prefix_hit_ratio * 100.0);
+    })
+    .await;
+    print!("{}", report.markdown());
+    let dir = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("loadtest/out/latest"));
+    let (files, plot_error) = loadtest::plot::write_report(&report, &dir)
+        .with_context(|| format!("cannot write the report into {}", dir.display()))?;
+    for f in &files {
+        println!("wrote {}", f.display());
+    }
+    if let Some(e) = plot_error {
+        eprintln!("plots skipped: {e}");
+    }
+    if let Some(path) = &a.json_out {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if report.runs.iter().all(|r| r.ok == 0) {
+        bail!("no request succeeded in any run");
+    }
+    Ok(())
+}
