@@ -52,6 +52,12 @@ fn default_tie_ms() -> f64 {
 fn default_tie_ratio() -> f64 {
     0.1
 }
+fn default_itl_headroom() -> f64 {
+    0.6
+}
+fn default_itl_min_reuse() -> f64 {
+    2.0
+}
 /// The request-count guard's threshold under the `tokens` cost when none is set.
 pub const TOKENS_ABS_THRESHOLD: u32 = 16;
 
@@ -109,12 +115,18 @@ pub struct PrefixAwareConfig {
     /// `ttft` cost: a replica whose running streams see a decode step (their median
     /// inter-token gap) over this share of the route's inter-token promise is passed over while
     /// another replica keeps within it (the route's own promise, or the strictest of the
-    /// routes sharing its replicas; no promise, no check). The rest of the promise is room for
-    /// the prefill stalls a stream also sees, and for the batch growing during its life.
-    /// Unset (the default): no check. *Opt-in* because at 0.6 it fixed agent traffic at 24/s
-    /// (BENCHMARKS, issue 11) but gave chat reuse away at the knee; see docs/DESIGN.md.
-    #[serde(default)]
-    pub itl_headroom: Option<f64>,
+    /// routes sharing its replicas; no promise, no check) — when what it holds of the prompt is
+    /// shared (`itl_min_reuse`). The rest of the promise is room for the prefill stalls a
+    /// stream also sees, and for the batch growing during its life. 0 turns the check off.
+    #[serde(default = "default_itl_headroom")]
+    pub itl_headroom: f64,
+    /// The inter-token check passes over a replica holding part of the prompt only when at
+    /// least this many recent requests (a count halving every 10 s) reused that prefix: a
+    /// second holder of a shared system prompt serves every later request, where passing a
+    /// conversation's holder over costs its whole history's prefill for one turn (BENCHMARKS,
+    /// issue 11: with the check on every holder, chat reuse at the knee fell from 71% to 58%).
+    #[serde(default = "default_itl_min_reuse")]
+    pub itl_min_reuse: f64,
     /// Cost of one uncached prompt token (prefill work).
     #[serde(default = "default_prefill_weight")]
     pub prefill_weight: f64,
@@ -142,7 +154,8 @@ impl Default for PrefixAwareConfig {
             stall_weight: default_stall_weight(),
             tie_ms: default_tie_ms(),
             tie_ratio: default_tie_ratio(),
-            itl_headroom: None,
+            itl_headroom: default_itl_headroom(),
+            itl_min_reuse: default_itl_min_reuse(),
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
@@ -298,14 +311,18 @@ impl PolicyConfig {
                         "must be a non-negative number",
                     );
                 }
-                if let Some(h) = c.itl_headroom {
-                    v.check(
-                        h.is_finite() && h > 0.0,
-                        &f("itl_headroom"),
-                        h,
-                        "must be a positive number (a share of the inter-token promise)",
-                    );
-                }
+                v.check(
+                    c.itl_headroom.is_finite() && c.itl_headroom >= 0.0,
+                    &f("itl_headroom"),
+                    c.itl_headroom,
+                    "must be a non-negative number (a share of the inter-token promise; 0: off)",
+                );
+                v.check(
+                    c.itl_min_reuse.is_finite() && c.itl_min_reuse >= 0.0,
+                    &f("itl_min_reuse"),
+                    c.itl_min_reuse,
+                    "must be a non-negative number of requests",
+                );
                 v.check(
                     c.balance_rel_threshold.is_finite() && c.balance_rel_threshold >= 1.0,
                     &f("balance_rel_threshold"),

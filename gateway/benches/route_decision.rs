@@ -84,6 +84,7 @@ fn bench(c: &mut Criterion) {
             offloaded_blocks: &[],
             session_id: p.session_id.as_deref(),
             itl_target_s: None,
+            prefix_reuse: &[],
             dry_run: false,
         };
         policy.route(&req, &set).unwrap()

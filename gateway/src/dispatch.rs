@@ -185,6 +185,7 @@ impl GatewayState {
                         self.router
                             .registry
                             .note_dispatch(d.replica, p.prompt_tokens as u64);
+                        self.router.sent(d.replica, p, Some(&matched));
                         let Some(replica) = self.router.registry.replica(d.replica) else {
                             continue;
                         };

@@ -278,7 +278,10 @@ impl GatewayState {
                     .saturating_sub(d.matched_blocks * router.block_size) as u64;
             let (pending, ahead_tokens) = match admitted.pending.take() {
                 Some(x) if attempt == 0 => x,
-                _ => PendingPrefill::new(replica.clone(), uncached_tokens),
+                _ => {
+                    router.sent(d.replica, p, None);
+                    PendingPrefill::new(replica.clone(), uncached_tokens)
+                }
             };
             let sent_at = Instant::now();
             let head = match self

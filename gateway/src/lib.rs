@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod placement;
 pub mod policy_store;
 pub mod prefix_index;
+pub mod prefix_reuse;
 pub mod proxy;
 pub mod registry;
 pub mod relay;

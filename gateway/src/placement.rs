@@ -246,6 +246,10 @@ impl GatewayState {
             }
         }
         let offloaded = self.router.offloaded(p, matched);
+        let reuse = self
+            .router
+            .reuse
+            .at_matches(&p.hashes[..p.cacheable], matched);
         let req = RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
@@ -254,6 +258,7 @@ impl GatewayState {
             offloaded_blocks: &offloaded,
             session_id: p.session_id.as_deref(),
             itl_target_s: itl.map(|d| d.as_secs_f64()),
+            prefix_reuse: &reuse,
             dry_run,
         };
         route

@@ -19,6 +19,7 @@ use protocol::ApiError;
 use serde_json::Value;
 
 use crate::metrics::GatewayMetrics;
+use crate::prefix_reuse::PrefixReuse;
 use crate::registry::Registry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +112,8 @@ pub struct Router {
     pub block_size: usize,
     pub registry: Arc<Registry>,
     pub metrics: Arc<GatewayMetrics>,
+    /// How often each matched prefix is reused (the inter-token check's amortisation).
+    pub reuse: PrefixReuse,
 }
 
 fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
@@ -143,6 +146,7 @@ impl Router {
             block_size,
             registry,
             metrics,
+            reuse: PrefixReuse::default(),
         }
     }
 
@@ -331,20 +335,29 @@ impl Router {
             .offloaded_lengths(&p.hashes[..p.cacheable], matched)
     }
 
-    /// The speculative index insert: `p`'s blocks are taken to be at `replica` once it has
-    /// answered (its first token), until its own KV events arrive; short-lived for replicas
-    /// with live events (`speculative_ttl_s`). *Decision*: not at send time. Inserting at send
-    /// gives every new prefix exactly one holder at once; agent traffic at 24/s then sat on
-    /// three replicas and broke the inter-token promise (BENCHMARKS, issue 11). The opt-in
-    /// inter-token check (`itl_headroom`) prevents that, but is not the default yet, since it
-    /// gives chat reuse away at the knee.
+    /// The speculative index insert: `p`'s blocks are taken to be at `replica` from the moment
+    /// it is sent there, until the replica's own KV events arrive (short-lived for replicas
+    /// with live events, `speculative_ttl_s`), so a burst sharing a new prefix follows its
+    /// first request instead of prefilling it cold on every replica. Refreshed at the first
+    /// answer. *Decision*: at send, since the inter-token check (on by default) keeps a hot
+    /// prefix's single holder from taking every stream; without the check, inserting at send
+    /// sat agent traffic on three replicas (BENCHMARKS, issue 11).
     pub fn speculate(&self, replica: usize, p: &Prepared) {
         self.registry
             .index
             .record_routed(replica, &p.hashes, self.registry.now_s());
     }
 
-    /// Records a decision whose replica answered: the speculative insert and metrics.
+    /// Records a request sent to `replica`: the speculative insert, and (first attempts only)
+    /// one reuse of the deepest prefix the index matched.
+    pub fn sent(&self, replica: usize, p: &Prepared, matched: Option<&[usize]>) {
+        self.speculate(replica, p);
+        if let Some(m) = matched {
+            self.reuse.record(&p.hashes[..p.cacheable], m);
+        }
+    }
+
+    /// Records a decision whose replica answered: the speculative insert refreshed, metrics.
     pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
         self.speculate(d.replica, p);
         self.metrics.decision(policy, d.reason.label());

@@ -19,6 +19,14 @@
 //! scratch on another replica, the request goes there (`spread`), and that replica becomes a
 //! second holder — later requests are priced across both.
 //!
+//! **The inter-token check** (`itl_headroom`, 0.6 by default): before the cost, a replica whose
+//! running streams already see a decode step over 0.6 × the route's inter-token promise is
+//! passed over while another replica keeps within it. The cost prices this request's first
+//! token; it does not see that one more stream on a large batch slows every stream there. A
+//! holder is passed over only for a *shared* prefix (at least `itl_min_reuse` recent requests
+//! reused it, [`RouteRequest::prefix_reuse`]): a second holder of a system prompt serves every
+//! later request, but a conversation's history prefilled elsewhere serves one turn.
+//!
 //! **`cost = "tokens"`**: `uncached prompt tokens × prefill_weight (1.0) + requests at the
 //! replica × load_weight (256 token-equivalents) + KV usage ratio × kv_usage_weight (512)`,
 //! the cheapest winning and the rendezvous hash of the prompt's first block breaking ties.
@@ -71,12 +79,12 @@ impl PrefixAware {
         let uncached = (req.prompt_tokens - cached - offloaded) as u64
             + (offloaded as f64 * OFFLOADED_TOKEN_COST).round() as u64;
         let load = r.load.requests();
-        let limit = self
-            .cfg
-            .itl_headroom
-            .and_then(|h| req.itl_target_s.map(|t| t * h));
-        // Only a replica with streams running can break a promise by taking one more.
-        let step = r.speed.current_step_s.filter(|_| load > 0);
+        let h = self.cfg.itl_headroom;
+        let limit = req.itl_target_s.filter(|_| h > 0.0).map(|t| t * h);
+        // Only a replica with streams running can break a promise by taking one more; and a
+        // holder is passed over only for a shared prefix, which a second holder amortises.
+        let shared = req.matched(i) == 0 || req.reuse(i) >= self.cfg.itl_min_reuse;
+        let step = r.speed.current_step_s.filter(|_| load > 0 && shared);
         let itl_over = match (self.cfg.cost, step, limit) {
             (CostModel::Ttft, Some(p), Some(l)) if p > l => Some(ItlOver {
                 step_s: p,
@@ -175,7 +183,8 @@ impl RoutingPolicy for PrefixAware {
             .collect();
         // The inter-token promise first (`itl_headroom`): a replica whose streams already see a
         // decode step over the limit is passed over while any keeps within it (when none
-        // does, the cost alone decides).
+        // does, the cost alone decides) — unless it holds a prefix of this prompt few other
+        // requests reuse (a conversation), whose prefill elsewhere nothing would amortise.
         let some_keep = scores.iter().any(|s| s.itl_over.is_none());
         let eligible = scores
             .iter()
@@ -365,12 +374,13 @@ mod tests {
             itl_target_s: Some(0.150),
             ..long_request(&hashes, &[250, 0, 0])
         };
-        let checked = PrefixAware::new(PrefixAwareConfig {
-            itl_headroom: Some(0.6),
+        let checked = policy();
+        let unchecked = PrefixAware::new(PrefixAwareConfig {
+            itl_headroom: 0.0,
             ..PrefixAwareConfig::default()
         });
-        // Off by default: the holder.
-        assert_eq!(policy().route(&req, &set).unwrap().replica, 0);
+        // With the check off: the holder.
+        assert_eq!(unchecked.route(&req, &set).unwrap().replica, 0);
         let d = checked.route(&req, &set).unwrap();
         assert_ne!(d.replica, 0, "{:?}", d.scores);
         let over = d.scores[0].itl_over.expect("replica 0 is over the limit");
@@ -406,7 +416,6 @@ mod tests {
         set.replicas[1].speed.current_step_s = Some(0.05);
         assert!(PrefixAware::new(PrefixAwareConfig {
             cost: CostModel::Tokens,
-            itl_headroom: Some(0.6),
             ..PrefixAwareConfig::default()
         })
         .route(&req, &set)
@@ -414,6 +423,38 @@ mod tests {
         .scores[0]
             .itl_over
             .is_none());
+    }
+
+    #[test]
+    fn a_holder_of_a_conversation_is_not_passed_over_for_the_inter_token_check() {
+        // Replica 0 holds 250 blocks of the prompt and its streams are over the limit, as in
+        // the test above. Whether it is passed over depends on who else reuses that prefix.
+        let hashes = [7u64; 250];
+        let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
+        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.080, 0.075]) {
+            r.speed.current_step_s = Some(step);
+        }
+        let route = |set: &ReplicaSet, reuse: &[f64]| {
+            let req = RouteRequest {
+                itl_target_s: Some(0.150),
+                prefix_reuse: reuse,
+                ..long_request(&hashes, &[250, 0, 0])
+            };
+            policy().route(&req, set).unwrap()
+        };
+        // A system prompt 30 recent requests reused: a second holder amortises its prefill.
+        let shared = route(&set, &[30.0, 0.0, 0.0]);
+        assert_ne!(shared.replica, 0);
+        assert!(shared.scores[0].itl_over.is_some());
+        // A conversation's own history (reused by no one else): its holder keeps it.
+        let own = route(&set, &[0.4, 0.0, 0.0]);
+        assert_eq!(own.replica, 0, "{:?}", own.scores);
+        assert_eq!(own.scores[0].itl_over, None);
+        // A replica holding nothing gives nothing up: the check applies whatever the reuse.
+        set.replicas[1].speed.current_step_s = Some(0.2);
+        let d = route(&set, &[30.0, 0.0, 0.0]);
+        assert_eq!(d.replica, 2, "{:?}", d.scores);
+        assert!(d.scores[1].itl_over.is_some());
     }
 
     #[test]

@@ -121,6 +121,10 @@ pub struct RouteRequest<'a> {
     /// The inter-token promise (p95 gap, s) the request's stream is held to: its route's, or
     /// the strictest of the routes sharing its replicas; `None` when there is none.
     pub itl_target_s: Option<f64>,
+    /// Per replica: recent requests (decayed, the gateway's `prefix_reuse`) that reused the
+    /// prefix of this prompt the replica holds — high for a shared system prompt, near zero
+    /// for a conversation's own history. Empty when unknown: every prefix counts as shared.
+    pub prefix_reuse: &'a [f64],
     /// A preview (`explain`): the policy must not advance any state of its own.
     pub dry_run: bool,
 }
@@ -132,6 +136,14 @@ impl RouteRequest<'_> {
 
     pub fn offloaded(&self, replica: usize) -> usize {
         self.offloaded_blocks.get(replica).copied().unwrap_or(0)
+    }
+
+    /// Recent reuses of the prefix `replica` holds; infinite when the caller does not know.
+    pub fn reuse(&self, replica: usize) -> f64 {
+        if self.prefix_reuse.is_empty() {
+            return f64::INFINITY;
+        }
+        self.prefix_reuse.get(replica).copied().unwrap_or(0.0)
     }
 }
 
@@ -251,8 +263,9 @@ pub struct ReplicaScore {
     pub cost: f64,
     /// The prediction behind a `ttft` cost.
     pub estimate: Option<TtftEstimate>,
-    /// Under `ttft` with `itl_headroom`: its streams see a decode step over the limit, and so
-    /// passed over while another replica keeps it.
+    /// Under `ttft` with `itl_headroom`: its streams see a decode step over the limit and what
+    /// it holds of the prompt is shared (or nothing), so it is passed over while another
+    /// replica keeps the limit.
     pub itl_over: Option<ItlOver>,
 }
 
@@ -379,6 +392,7 @@ pub(crate) fn request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteReque
         offloaded_blocks: &[],
         session_id: None,
         itl_target_s: None,
+        prefix_reuse: &[],
         dry_run: false,
     }
 }
