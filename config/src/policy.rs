@@ -58,6 +58,9 @@ fn default_itl_headroom() -> f64 {
 fn default_itl_min_reuse() -> f64 {
     2.0
 }
+fn default_itl_fleet_ratio() -> f64 {
+    1.1
+}
 /// The request-count guard's threshold under the `tokens` cost when none is set.
 pub const TOKENS_ABS_THRESHOLD: u32 = 16;
 
@@ -127,6 +130,14 @@ pub struct PrefixAwareConfig {
     /// issue 11: with the check on every holder, chat reuse at the knee fell from 71% to 58%).
     #[serde(default = "default_itl_min_reuse")]
     pub itl_min_reuse: f64,
+    /// The inter-token check's limit is never under this many times the fleet's median decode
+    /// step (over the replicas with streams running): where the whole fleet is that slow,
+    /// moving one more stream elsewhere keeps no promise better, and costs a cold prefill
+    /// (BENCHMARKS, issue 11: on L4-sized replicas, whose busy step is 85-95 ms against a
+    /// 90 ms limit, bursty traffic at 20/s was spread onto cold replicas without it). 0: the
+    /// promise alone sets the limit.
+    #[serde(default = "default_itl_fleet_ratio")]
+    pub itl_fleet_ratio: f64,
     /// Cost of one uncached prompt token (prefill work).
     #[serde(default = "default_prefill_weight")]
     pub prefill_weight: f64,
@@ -156,6 +167,7 @@ impl Default for PrefixAwareConfig {
             tie_ratio: default_tie_ratio(),
             itl_headroom: default_itl_headroom(),
             itl_min_reuse: default_itl_min_reuse(),
+            itl_fleet_ratio: default_itl_fleet_ratio(),
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
@@ -322,6 +334,12 @@ impl PolicyConfig {
                     &f("itl_min_reuse"),
                     c.itl_min_reuse,
                     "must be a non-negative number of requests",
+                );
+                v.check(
+                    c.itl_fleet_ratio.is_finite() && c.itl_fleet_ratio >= 0.0,
+                    &f("itl_fleet_ratio"),
+                    c.itl_fleet_ratio,
+                    "must be a non-negative number (a multiple of the fleet's median decode step; 0: off)",
                 );
                 v.check(
                     c.balance_rel_threshold.is_finite() && c.balance_rel_threshold >= 1.0,

@@ -25,7 +25,9 @@
 //! token; it does not see that one more stream on a large batch slows every stream there. A
 //! holder is passed over only for a *shared* prefix (at least `itl_min_reuse` recent requests
 //! reused it, [`RouteRequest::prefix_reuse`]): a second holder of a system prompt serves every
-//! later request, but a conversation's history prefilled elsewhere serves one turn.
+//! later request, but a conversation's history prefilled elsewhere serves one turn. The limit
+//! is never under `itl_fleet_ratio` (1.1) × the fleet's median decode step: where every
+//! replica is that slow, passing one over buys no inter-token time and costs a cold prefill.
 //!
 //! **`cost = "tokens"`**: `uncached prompt tokens × prefill_weight (1.0) + requests at the
 //! replica × load_weight (256 token-equivalents) + KV usage ratio × kv_usage_weight (512)`,
@@ -71,6 +73,7 @@ impl PrefixAware {
         i: usize,
         r: &ReplicaView,
         shared_overhead: f64,
+        fleet_step: Option<f64>,
     ) -> ReplicaScore {
         let cached = (req.matched(i) * req.block_size).min(req.prompt_tokens);
         // Blocks in the replica's offload tier are loaded, not recomputed: each costs a
@@ -80,7 +83,13 @@ impl PrefixAware {
             + (offloaded as f64 * OFFLOADED_TOKEN_COST).round() as u64;
         let load = r.load.requests();
         let h = self.cfg.itl_headroom;
-        let limit = req.itl_target_s.filter(|_| h > 0.0).map(|t| t * h);
+        // Never under `itl_fleet_ratio` × the fleet's median step: a replica as slow as the
+        // rest is not worth a cold prefill elsewhere.
+        let floor = fleet_step.map_or(0.0, |s| s * self.cfg.itl_fleet_ratio);
+        let limit = req
+            .itl_target_s
+            .filter(|_| h > 0.0)
+            .map(|t| (t * h).max(floor));
         // Only a replica with streams running can break a promise by taking one more; and a
         // holder is passed over only for a shared prefix, which a second holder amortises.
         let shared = req.matched(i) == 0 || req.reuse(i) >= self.cfg.itl_min_reuse;
@@ -89,6 +98,7 @@ impl PrefixAware {
             (CostModel::Ttft, Some(p), Some(l)) if p > l => Some(ItlOver {
                 step_s: p,
                 limit_s: l,
+                reuse: Some(req.reuse(i)).filter(|n| req.matched(i) > 0 && n.is_finite()),
             }),
             _ => None,
         };
@@ -148,6 +158,26 @@ impl PrefixAware {
     }
 }
 
+/// The median decode step (s) of the healthy replicas with streams running; `None` when none
+/// has any.
+fn median_step(set: &ReplicaSet) -> Option<f64> {
+    let mut steps: Vec<f64> = set
+        .healthy()
+        .filter(|(_, r)| r.load.requests() > 0)
+        .filter_map(|(_, r)| r.speed.current_step_s)
+        .collect();
+    if steps.is_empty() {
+        return None;
+    }
+    steps.sort_by(f64::total_cmp);
+    let n = steps.len();
+    Some(if n % 2 == 1 {
+        steps[n / 2]
+    } else {
+        (steps[n / 2 - 1] + steps[n / 2]) / 2.0
+    })
+}
+
 fn tie_break(req: &RouteRequest<'_>, name: &str) -> u64 {
     let key = req
         .block_hashes
@@ -177,9 +207,10 @@ impl RoutingPolicy for PrefixAware {
             .map(|(_, r)| r.speed.overhead_s)
             .min_by(f64::total_cmp)
             .unwrap_or(0.0);
+        let fleet_step = median_step(set);
         let scores: Vec<ReplicaScore> = set
             .healthy()
-            .map(|(i, r)| self.score(req, i, r, shared_overhead))
+            .map(|(i, r)| self.score(req, i, r, shared_overhead, fleet_step))
             .collect();
         // The inter-token promise first (`itl_headroom`): a replica whose streams already see a
         // decode step over the limit is passed over while any keeps within it (when none
@@ -363,11 +394,12 @@ mod tests {
     #[test]
     fn a_holder_that_would_break_the_inter_token_promise_is_passed_over() {
         // Replica 0 holds the prompt and is quickest to a first token, but its streams see
-        // a 140 ms decode step: over 0.6 x a 150 ms promise (90 ms). The request spreads to a
-        // replica that keeps it, and explain says why.
+        // a 140 ms decode step: over 0.6 x a 150 ms promise (90 ms; the fleet's median step,
+        // 60 ms, x 1.1 is less). The request spreads to a replica that keeps it, and explain
+        // says why.
         let hashes = [7u64; 250];
         let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
-        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.080, 0.075]) {
+        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.060, 0.055]) {
             r.speed.current_step_s = Some(step);
         }
         let req = RouteRequest {
@@ -431,7 +463,7 @@ mod tests {
         // the test above. Whether it is passed over depends on who else reuses that prefix.
         let hashes = [7u64; 250];
         let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
-        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.080, 0.075]) {
+        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.060, 0.055]) {
             r.speed.current_step_s = Some(step);
         }
         let route = |set: &ReplicaSet, reuse: &[f64]| {
@@ -445,16 +477,49 @@ mod tests {
         // A system prompt 30 recent requests reused: a second holder amortises its prefill.
         let shared = route(&set, &[30.0, 0.0, 0.0]);
         assert_ne!(shared.replica, 0);
-        assert!(shared.scores[0].itl_over.is_some());
+        assert_eq!(shared.scores[0].itl_over.and_then(|o| o.reuse), Some(30.0));
+        let why = shared.reason.to_string();
+        assert!(why.contains("30.0 recent requests reused"), "{why}");
         // A conversation's own history (reused by no one else): its holder keeps it.
         let own = route(&set, &[0.4, 0.0, 0.0]);
         assert_eq!(own.replica, 0, "{:?}", own.scores);
         assert_eq!(own.scores[0].itl_over, None);
-        // A replica holding nothing gives nothing up: the check applies whatever the reuse.
+        // A replica holding nothing gives nothing up: the check applies to it whatever the
+        // reuse (the fleet's median step is now 140 ms, so the limit 154 ms).
         set.replicas[1].speed.current_step_s = Some(0.2);
-        let d = route(&set, &[30.0, 0.0, 0.0]);
-        assert_eq!(d.replica, 2, "{:?}", d.scores);
-        assert!(d.scores[1].itl_over.is_some());
+        let d = route(&set, &[0.4, 0.0, 0.0]);
+        assert_eq!(d.replica, 0, "{:?}", d.scores);
+        let over = d.scores[1].itl_over.expect("replica 1 is over the limit");
+        assert_eq!(over.reuse, None);
+        assert!((over.limit_s - 0.154).abs() < 1e-9, "{over:?}");
+    }
+
+    #[test]
+    fn a_holder_as_slow_as_the_fleet_is_not_passed_over() {
+        // Every replica is busy at 85-95 ms a step (an L4 at load): the holder is over 0.6 x
+        // the 150 ms promise, but not over 1.1 x the fleet's median step (97 ms). A cold
+        // prefill elsewhere would buy no inter-token time: the holder keeps the prefix.
+        let hashes = [7u64; 250];
+        let mut set = timed_fleet(&[40, 30, 30], &[0, 0, 0]);
+        for (r, step) in set.replicas.iter_mut().zip([0.095, 0.088, 0.085]) {
+            r.speed.current_step_s = Some(step);
+        }
+        let req = RouteRequest {
+            itl_target_s: Some(0.150),
+            prefix_reuse: &[30.0, 0.0, 0.0],
+            ..long_request(&hashes, &[250, 0, 0])
+        };
+        let d = policy().route(&req, &set).unwrap();
+        assert_eq!(d.replica, 0, "{:?}", d.scores);
+        assert!(d.scores.iter().all(|s| s.itl_over.is_none()));
+        // With the fleet ignored (0), the promise alone sets the limit: 90 ms.
+        let promise_only = PrefixAware::new(PrefixAwareConfig {
+            itl_fleet_ratio: 0.0,
+            ..PrefixAwareConfig::default()
+        });
+        let d = promise_only.route(&req, &set).unwrap();
+        assert_ne!(d.replica, 0, "{:?}", d.scores);
+        assert!((d.scores[0].itl_over.unwrap().limit_s - 0.090).abs() < 1e-9);
     }
 
     #[test]

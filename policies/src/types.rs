@@ -192,6 +192,9 @@ pub struct ItlOver {
     pub step_s: f64,
     /// The limit it was held to: the promise × the policy's `itl_headroom` (s).
     pub limit_s: f64,
+    /// Recent requests that reused the prefix of this prompt it holds (why passing it over is
+    /// worth a cold prefill elsewhere); `None` when it holds none, or the count is unknown.
+    pub reuse: Option<f64>,
 }
 
 impl DecisionReason {
@@ -232,15 +235,20 @@ impl fmt::Display for DecisionReason {
                 chosen_ttft_s,
                 holder_itl,
             } => match holder_itl {
-                Some(o) => write!(
-                    f,
-                    "spread(replica {holder} holds {holder_blocks} blocks but its streams see a \
-                     {:.0} ms decode step, over the {:.0} ms limit for the inter-token \
-                     promise; predicted TTFT {holder_ttft_s:.3} s there, {chosen_ttft_s:.3} s \
-                     here)",
-                    o.step_s * 1e3,
-                    o.limit_s * 1e3
-                ),
+                Some(o) => {
+                    write!(f, "spread(replica {holder} holds {holder_blocks} blocks")?;
+                    if let Some(n) = o.reuse {
+                        write!(f, " of a prefix {n:.1} recent requests reused")?;
+                    }
+                    write!(
+                        f,
+                        " but its streams see a {:.0} ms decode step, over the {:.0} ms limit \
+                         for the inter-token promise; predicted TTFT {holder_ttft_s:.3} s \
+                         there, {chosen_ttft_s:.3} s here)",
+                        o.step_s * 1e3,
+                        o.limit_s * 1e3
+                    )
+                }
                 None => write!(
                     f,
                     "spread(replica {holder} holds {holder_blocks} blocks but its predicted TTFT \
