@@ -324,10 +324,10 @@ impl PolicyConfig {
                     );
                 }
                 v.check(
-                    c.itl_headroom.is_finite() && c.itl_headroom >= 0.0,
+                    (0.0..=1.0).contains(&c.itl_headroom),
                     &f("itl_headroom"),
                     c.itl_headroom,
-                    "must be a non-negative number (a share of the inter-token promise; 0: off)",
+                    "must be between 0 and 1 (a share of the inter-token promise; 0: off)",
                 );
                 v.check(
                     c.itl_min_reuse.is_finite() && c.itl_min_reuse >= 0.0,
@@ -398,6 +398,33 @@ mod tests {
             text.contains("policy.fallback.load_factor = 0.5: must be at least 1.0"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_inter_token_check_knobs_are_bounded() {
+        let ok = PolicyConfig::from_toml(
+            "kind = \"prefix_aware\"\nitl_headroom = 0.6\nitl_min_reuse = 2\nitl_fleet_ratio = 1.1",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        for (line, expect) in [
+            (
+                "itl_headroom = 5",
+                "policy.itl_headroom = 5: must be between 0 and 1",
+            ),
+            (
+                "itl_min_reuse = -1",
+                "policy.itl_min_reuse = -1: must be a non-negative",
+            ),
+            (
+                "itl_fleet_ratio = -1",
+                "policy.itl_fleet_ratio = -1: must be a non-negative",
+            ),
+        ] {
+            let e = PolicyConfig::from_toml(&format!("kind = \"prefix_aware\"\n{line}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(expect), "{line}: {e}");
+        }
     }
 
     #[test]
