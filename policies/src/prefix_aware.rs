@@ -305,6 +305,15 @@ mod tests {
         set
     }
 
+    /// `timed_fleet` with nothing queued and each replica's streams seeing `steps` (s).
+    fn stepped_fleet(running: &[u32], steps: &[f64]) -> ReplicaSet {
+        let mut set = timed_fleet(running, &vec![0; running.len()]);
+        for (r, &step) in set.replicas.iter_mut().zip(steps) {
+            r.speed.current_step_s = Some(step);
+        }
+        set
+    }
+
     fn long_request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteRequest<'a> {
         RouteRequest {
             prompt_tokens: hashes.len() * 16 + 40,
@@ -398,10 +407,7 @@ mod tests {
         // 60 ms, x 1.1 is less). The request spreads to a replica that keeps it, and explain
         // says why.
         let hashes = [7u64; 250];
-        let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
-        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.060, 0.055]) {
-            r.speed.current_step_s = Some(step);
-        }
+        let mut set = stepped_fleet(&[90, 20, 30], &[0.140, 0.060, 0.055]);
         let req = RouteRequest {
             itl_target_s: Some(0.150),
             ..long_request(&hashes, &[250, 0, 0])
@@ -462,10 +468,7 @@ mod tests {
         // Replica 0 holds 250 blocks of the prompt and its streams are over the limit, as in
         // the test above. Whether it is passed over depends on who else reuses that prefix.
         let hashes = [7u64; 250];
-        let mut set = timed_fleet(&[90, 20, 30], &[0, 0, 0]);
-        for (r, step) in set.replicas.iter_mut().zip([0.140, 0.060, 0.055]) {
-            r.speed.current_step_s = Some(step);
-        }
+        let mut set = stepped_fleet(&[90, 20, 30], &[0.140, 0.060, 0.055]);
         let route = |set: &ReplicaSet, reuse: &[f64]| {
             let req = RouteRequest {
                 itl_target_s: Some(0.150),
@@ -500,10 +503,7 @@ mod tests {
         // the 150 ms promise, but not over 1.1 x the fleet's median step (97 ms). A cold
         // prefill elsewhere would buy no inter-token time: the holder keeps the prefix.
         let hashes = [7u64; 250];
-        let mut set = timed_fleet(&[40, 30, 30], &[0, 0, 0]);
-        for (r, step) in set.replicas.iter_mut().zip([0.095, 0.088, 0.085]) {
-            r.speed.current_step_s = Some(step);
-        }
+        let set = stepped_fleet(&[40, 30, 30], &[0.095, 0.088, 0.085]);
         let req = RouteRequest {
             itl_target_s: Some(0.150),
             prefix_reuse: &[30.0, 0.0, 0.0],
