@@ -2,7 +2,9 @@
 """Summarises a loadtest/sweep.sh folder: for every rate and target, the median and the range
 (min-max) over seeds of goodput, served and shed requests, p50/p95/p99 TTFT and prefix hit
 ratio, and per seed the ratio of each target's goodput, p95 and p99 TTFT to the base target's
-in the same seed and rate (the first target, or --base NAME).
+in the same seed and rate (the first target, or --base NAME). Where the reports carry the
+oracle's TTFT floor (sim fleets), a `floor` row gives it with the same ratios: the lowest any
+router could reach on that traffic.
 
     python3 loadtest/summarize.py DIR [--base NAME]
 """
@@ -12,6 +14,9 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+
+FLOOR = "floor (oracle cache, idle replica)"
 
 
 def fmt(values, unit="", digits=2, scale=1.0):
@@ -25,6 +30,7 @@ def fmt(values, unit="", digits=2, scale=1.0):
 def main(folder: Path, base_name: str | None = None) -> None:
     runs = defaultdict(list)  # (rate, target) -> [run]
     by_seed = defaultdict(dict)  # (rate, seed) -> {target: run}
+    floors = defaultdict(list)  # rate -> [floor run-shaped dict]
     targets, meta = [], None
     for report in sorted(folder.glob("seed-*-rate-*/report.json")):
         r = json.loads(report.read_text())
@@ -37,6 +43,11 @@ def main(folder: Path, base_name: str | None = None) -> None:
             key = (run["rate"], run["target"])
             runs[key].append(run)
             by_seed[(run["rate"], r["seed"])][run["target"]] = run
+        for o in r.get("oracle") or []:
+            if o.get("ttft_floor_s"):
+                f = {"rate": o["rate"], "ttft_s": o["ttft_floor_s"]}
+                floors[o["rate"]].append(f)
+                by_seed[(o["rate"], r["seed"])][FLOOR] = f
     if not runs:
         sys.exit(f"no seed-*-rate-*/report.json under {folder}")
     seeds = sorted({s for (_, s) in by_seed})
@@ -85,6 +96,15 @@ def main(folder: Path, base_name: str | None = None) -> None:
                 f"{fmt([x['ttft_s']['p99'] for x in rs if x.get('ttft_s')], digits=0, scale=1e3)} | "
                 f"{ratio(rate, t, pct('p95'))} | {ratio(rate, t, pct('p99'))} | "
                 f"{fmt([x['prefix_hit_ratio'] for x in rs], unit='%', digits=1, scale=100)} |"
+            )
+        if floors.get(rate):
+            fs = floors[rate]
+            print(
+                f"| {rate:g} | {FLOOR} | - | - | - | - | "
+                f"{fmt([x['ttft_s']['p50'] for x in fs], digits=0, scale=1e3)} | "
+                f"{fmt([x['ttft_s']['p95'] for x in fs], digits=0, scale=1e3)} | "
+                f"{fmt([x['ttft_s']['p99'] for x in fs], digits=0, scale=1e3)} | "
+                f"{ratio(rate, FLOOR, pct('p95'))} | {ratio(rate, FLOOR, pct('p99'))} | - |"
             )
 
 

@@ -5,10 +5,12 @@ use std::path::PathBuf;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 
+use crate::floor::IdleReplica;
+
 #[derive(Args)]
 pub struct BenchArgs {
     /// Target base URL, or NAME=URL; repeat to compare targets in one interleaved run.
-    #[arg(long = "target", required = true)]
+    #[arg(long = "target", required_unless_present = "oracle_only")]
     pub targets: Vec<String>,
     /// Model name sent in every request (the served name).
     #[arg(long, default_value = "Qwen3-8B")]
@@ -61,6 +63,16 @@ pub struct BenchArgs {
     /// KV block size the oracle hashes with.
     #[arg(long, default_value_t = protocol::hashing::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
+    /// The idle replica the TTFT floor is priced on, for sim fleets:
+    /// `gpu=NAME[,model=NAME][,time_scale=X][,chunk=N]` (default: read from the first --flush
+    /// replica's /server_info when it is a sim replica). The floor is the TTFT each request
+    /// would get with the oracle's cache on an idle replica: no router's percentile is lower.
+    #[arg(long)]
+    pub floor: Option<String>,
+    /// Print the oracle (hit ratio and TTFT floor) for each rate's traffic and exit; sends
+    /// nothing.
+    #[arg(long)]
+    pub oracle_only: bool,
     /// No progress line on the terminal.
     #[arg(long)]
     pub no_progress: bool,
@@ -86,6 +98,9 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         || !(a.duration > 0.0 && a.warmup >= 0.0 && a.warmup < a.duration)
     {
         bail!("rates and --duration must be positive, and 0 <= --warmup < --duration");
+    }
+    if a.oracle_only {
+        return print_oracle(&a, &workload, &rates).await;
     }
     let targets: Vec<loadtest::compare::Target> = a
         .targets
@@ -130,25 +145,8 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let tok_dir = a
-        .tokenizer
-        .clone()
-        .or_else(protocol::tokenizer::default_tokenizer_dir);
-    let tok = tok_dir
-        .as_ref()
-        .and_then(|d| protocol::tokenizer::TextTokenizer::from_path(d).ok());
-    if tok.is_none() {
-        eprintln!("no tokenizer found: the oracle hit ratio is left out (pass --tokenizer DIR)");
-    }
-    let (duration, max_requests, seed) = (base.duration, base.max_requests, base.seed);
-    let oracle = |rate: f64| {
-        let tok = tok.as_ref()?;
-        let (at, items) = workload.plan(rate, duration, max_requests, seed);
-        let measure: Vec<bool> = at.iter().map(|t| *t >= a.warmup).collect();
-        loadtest::oracle::oracle_hits(tok, &a.model, a.block_size, &items, &measure)
-            .ok()
-            .map(|h| h.ratio())
-    };
+    let oracle = Oracle::new(&a).await?;
+    let oracle = |rate: f64| oracle.at(&a, &workload, rate);
     let spec = loadtest::compare::CompareSpec {
         targets,
         rates,
@@ -184,6 +182,103 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
     }
     if report.runs.iter().all(|r| r.ok == 0) {
         bail!("no request succeeded in any run");
+    }
+    Ok(())
+}
+
+/// The ceiling a run is read against: the oracle's hit ratio, and the TTFT floor when the
+/// replicas' speed is known.
+struct Oracle {
+    tok: Option<protocol::tokenizer::TextTokenizer>,
+    idle: Option<IdleReplica>,
+}
+
+impl Oracle {
+    async fn new(a: &BenchArgs) -> Result<Self> {
+        let tok_dir = a
+            .tokenizer
+            .clone()
+            .or_else(protocol::tokenizer::default_tokenizer_dir);
+        let tok = tok_dir
+            .as_ref()
+            .and_then(|d| protocol::tokenizer::TextTokenizer::from_path(d).ok());
+        if tok.is_none() {
+            eprintln!("no tokenizer found: the oracle is left out (pass --tokenizer DIR)");
+        }
+        let idle = match (&a.floor, a.flush.first()) {
+            (Some(spec), _) => Some(IdleReplica::parse(spec)?),
+            (None, Some(url)) => match loadtest::compare::server_info(url).await {
+                Ok(info) => IdleReplica::from_server_info(&info).unwrap_or_else(|e| {
+                    eprintln!("TTFT floor left out: {e:#}");
+                    None
+                }),
+                Err(e) => {
+                    eprintln!("TTFT floor left out: {e}");
+                    None
+                }
+            },
+            (None, None) => None,
+        };
+        if let Some(i) = &idle {
+            println!("TTFT floor priced on an idle replica: {}", i.describe());
+        }
+        Ok(Oracle { tok, idle })
+    }
+
+    fn at(
+        &self,
+        a: &BenchArgs,
+        workload: &loadtest::run::Workload,
+        rate: f64,
+    ) -> Option<loadtest::compare::OracleAtRate> {
+        let tok = self.tok.as_ref()?;
+        let duration = std::time::Duration::from_secs_f64(a.duration);
+        let (at, items) = workload.plan(rate, duration, a.max_requests, a.seed);
+        let measure: Vec<bool> = at.iter().map(|t| *t >= a.warmup).collect();
+        let reqs = loadtest::oracle::oracle_requests(tok, &a.model, a.block_size, &items, &measure)
+            .ok()?;
+        let (prompt, cached) = reqs.iter().fold((0u64, 0u64), |(p, c), r| {
+            (p + r.prompt_tokens, c + r.cached_tokens)
+        });
+        Some(loadtest::compare::OracleAtRate {
+            rate,
+            hit_ratio: if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            },
+            ttft_floor_s: self
+                .idle
+                .as_ref()
+                .and_then(|i| loadtest::oracle::ttft_floor(&reqs, |p, c| i.ttft_s(p, c))),
+        })
+    }
+}
+
+/// `--oracle-only`: the ceiling of each rate's traffic, nothing sent.
+async fn print_oracle(
+    a: &BenchArgs,
+    workload: &loadtest::run::Workload,
+    rates: &[f64],
+) -> Result<()> {
+    let oracle = Oracle::new(a).await?;
+    if oracle.tok.is_none() {
+        bail!("--oracle-only needs a tokenizer (--tokenizer DIR)");
+    }
+    println!("| rate/s | oracle prefix hit | TTFT floor p50 / p95 / p99 ms |\n|---:|---:|---|");
+    for &rate in rates {
+        let o = oracle
+            .at(a, workload, rate)
+            .ok_or_else(|| anyhow!("the oracle could not tokenise the workload"))?;
+        let floor = o.ttft_floor_s.map_or("- (pass --floor)".to_string(), |f| {
+            format!(
+                "{:.0} / {:.0} / {:.0}",
+                f.p50 * 1e3,
+                f.p95 * 1e3,
+                f.p99 * 1e3
+            )
+        });
+        println!("| {rate} | {:.1}% | {floor} |", o.hit_ratio * 100.0);
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! configuration to its crate.
 
 mod bench;
+mod floor;
 mod up;
 
 #[global_allocator]

@@ -95,6 +95,9 @@ pub struct Knee {
 pub struct OracleAtRate {
     pub rate: f64,
     pub hit_ratio: f64,
+    /// The TTFT floor of this rate's traffic (see [`crate::oracle::ttft_floor`]), when the
+    /// replicas' speed is known: no router's run can have a lower percentile.
+    pub ttft_floor_s: Option<crate::stats::Summary>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -138,10 +141,26 @@ async fn flush(client: &reqwest::Client, urls: &[String]) -> Vec<String> {
     errors
 }
 
+/// A replica's `GET /server_info` (what it runs, and for a sim replica how fast), so a bench
+/// can price the idle replica behind its TTFT floor.
+pub async fn server_info(url: &str) -> Result<serde_json::Value, String> {
+    let url = format!("{}/server_info", url.trim_end_matches('/'));
+    let r = reqwest::Client::new()
+        .get(&url)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    if !r.status().is_success() {
+        return Err(format!("{url}: {}", r.status()));
+    }
+    r.json().await.map_err(|e| format!("{url}: {e}"))
+}
+
 /// Runs every (rate, target) pair, interleaved.
 pub async fn compare(
     spec: &CompareSpec,
-    oracle: impl Fn(f64) -> Option<f64>,
+    oracle: impl Fn(f64) -> Option<OracleAtRate>,
     mut on_run: impl FnMut(&Report),
 ) -> CompareReport {
     let client = reqwest::Client::new();
@@ -151,9 +170,7 @@ pub async fn compare(
     let mut oracles = Vec::new();
     let n = spec.targets.len();
     for (ri, &rate) in spec.rates.iter().enumerate() {
-        if let Some(h) = oracle(rate) {
-            oracles.push(OracleAtRate { rate, hit_ratio: h });
-        }
+        oracles.extend(oracle(rate));
         for k in 0..n {
             let t = &spec.targets[(ri + k) % n];
             flush_errors.extend(flush(&client, &spec.flush).await);
@@ -233,15 +250,27 @@ impl CompareReport {
             self.slo.ttft_s().map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
             self.slo.itl_s().map_or("none".into(), |t| format!("{:.0} ms", t * 1e3)),
         );
-        let oracle: BTreeMap<String, f64> = self
+        let oracle: BTreeMap<String, &OracleAtRate> = self
             .oracle
             .iter()
-            .map(|o| (format!("{:.3}", o.rate), o.hit_ratio))
+            .map(|o| (format!("{:.3}", o.rate), o))
             .collect();
         for &rate in &self.rates {
             out.push_str(&format!("## {rate:.2} requests/s"));
-            if let Some(h) = oracle.get(&format!("{rate:.3}")) {
-                out.push_str(&format!(" (oracle prefix hit ratio {:.1}%)", h * 100.0));
+            if let Some(o) = oracle.get(&format!("{rate:.3}")) {
+                out.push_str(&format!(
+                    " (oracle prefix hit ratio {:.1}%",
+                    o.hit_ratio * 100.0
+                ));
+                if let Some(f) = &o.ttft_floor_s {
+                    out.push_str(&format!(
+                        "; TTFT floor p50 / p95 / p99 {:.0} / {:.0} / {:.0} ms",
+                        f.p50 * 1e3,
+                        f.p95 * 1e3,
+                        f.p99 * 1e3
+                    ));
+                }
+                out.push(')');
             }
             out.push_str("\n\n| target | ok | shed | err | offered/s | req/s | goodput req/s | TTFT p50 / p95 / p99 ms | short-prompt TTFT p99 ms | ITL p50 / p95 / p99 ms | e2e p95 ms | out tok/s | prefix hit | replica spread (max/min) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
             for r in self.runs.iter().filter(|r| r.rate == rate) {

@@ -548,6 +548,11 @@ pub async fn build_server(
         enable_prefix_caching: cfg.enable_prefix_caching,
         created: unix_now(),
         prefill_tokens_per_s,
+        sim_timing: matches!(cfg.backend, BackendKind::Sim).then_some(crate::state::SimTiming {
+            compute_efficiency: cfg.compute_efficiency,
+            bandwidth_efficiency: cfg.bandwidth_efficiency,
+            time_scale: cfg.time_scale,
+        }),
     };
     let replica_header = HeaderValue::from_str(&cfg.replica_id).map_err(|_| {
         BuildError::Invalid(format!(

@@ -192,6 +192,7 @@ pub fn server_info(state: &AppState) -> Response<Body> {
             "dp_size": 1,
             "tp_size": 1,
             "prefill_tokens_per_s": i.prefill_tokens_per_s,
+            "roofline": i.sim_timing,
             "version": env!("CARGO_PKG_VERSION"),
         }),
     )

@@ -32,6 +32,17 @@ pub struct ReplicaInfo {
     /// The replica's own estimate of its prefill throughput (tokens/s) at full chunks: the
     /// gateway's admission starts from it (`prefill_tokens_per_s` in `/server_info`).
     pub prefill_tokens_per_s: Option<f64>,
+    /// `sim` only: what, besides the GPU and model profiles, sets its step times (`roofline`
+    /// in `/server_info`), so a benchmark can price an idle replica exactly.
+    pub sim_timing: Option<SimTiming>,
+}
+
+/// The sim backend's roofline knobs and time scale.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct SimTiming {
+    pub compute_efficiency: f64,
+    pub bandwidth_efficiency: f64,
+    pub time_scale: f64,
 }
 
 /// Everything a request handler needs.
