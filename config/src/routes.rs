@@ -222,6 +222,13 @@ pub struct PolicyFile {
     /// error (the model learns from the past, the promise is about the future).
     #[serde(default = "default_headroom")]
     pub admission_headroom: f64,
+    /// A request whose cached prefix at its chosen replica is still being prefilled there by
+    /// an earlier request (blocks sent there that the replica's KV events have not confirmed
+    /// yet) waits at the gateway until they are confirmed, for at most this long, instead of
+    /// prefilling the unfinished part a second time beside the first. 0: off. Only replicas
+    /// with live KV events are waited for.
+    #[serde(default = "default_prefix_in_flight_wait")]
+    pub prefix_in_flight_wait_ms: u64,
     /// What clients learn about cache hits.
     #[serde(default)]
     pub hit_signals: HitSignals,
@@ -255,6 +262,9 @@ fn default_kv_high_water() -> f64 {
 fn default_headroom() -> f64 {
     0.9
 }
+fn default_prefix_in_flight_wait() -> u64 {
+    1_000
+}
 fn default_preemption_holdoff() -> u64 {
     2_000
 }
@@ -270,6 +280,7 @@ impl PolicyFile {
             kv_high_water: default_kv_high_water(),
             preemption_holdoff_ms: default_preemption_holdoff(),
             admission_headroom: default_headroom(),
+            prefix_in_flight_wait_ms: default_prefix_in_flight_wait(),
             hit_signals: HitSignals::default(),
             hit_signal_round_tokens: default_round_tokens(),
             cache_groups: Vec::new(),
@@ -355,6 +366,12 @@ impl PolicyFile {
             "admission_headroom",
             self.admission_headroom,
             "must be in (0, 1]",
+        );
+        v.check(
+            self.prefix_in_flight_wait_ms <= 60_000,
+            "prefix_in_flight_wait_ms",
+            self.prefix_in_flight_wait_ms,
+            "must be at most 60000 (a prefill that takes longer is not in flight, it is stuck)",
         );
         v.check(
             !self.routes.is_empty(),

@@ -37,6 +37,7 @@ impl GatewayState {
         let all = router.registry.replicas();
         let matched = router.matched(p);
         let offloaded = router.offloaded(p, &matched);
+        let confirmed = router.confirmed(p);
         // Recent requests that reused the prefix each replica holds of this prompt.
         let reuse = router.reuse.at_matches(&p.hashes[..p.cacheable], &matched);
         let placed = self.place(a, route, p, &matched, Purpose::Explain);
@@ -78,6 +79,8 @@ impl GatewayState {
                     "retired": all.get(i).is_some_and(|h| h.is_retired()),
                     "matched_blocks": blocks,
                     "offloaded_blocks": offloaded.get(i).copied().unwrap_or(0),
+                    // Matched only by requests sent there, not yet reported by the replica.
+                    "unconfirmed_blocks": blocks.saturating_sub(confirmed.get(i).copied().unwrap_or(0)),
                     "prefix_reuse": reuse.get(i).copied().unwrap_or(0.0),
                     "predicted_cached_tokens": blocks * router.block_size,
                     "load": {

@@ -102,7 +102,7 @@ pub struct RouteStats {
 
 /// Every shed reason and hold reason, registered up front so each series exists at 0.
 const SHED_REASONS: [&str; 3] = ["queue_full", "deadline", "timeout"];
-const HOLD_REASONS: [&str; 8] = [
+const HOLD_REASONS: [&str; 9] = [
     "ttft",
     "itl",
     "stalls",
@@ -111,6 +111,7 @@ const HOLD_REASONS: [&str; 8] = [
     "concurrency",
     "token_budget",
     "queue_order",
+    "prefix_in_flight",
 ];
 
 impl RouteStats {

@@ -14,6 +14,14 @@
 //! - **Retry**: the request was admitted already; the policy chooses again without the replicas
 //!   it tried.
 //! - **Explain**: the dispatch path as a dry run — nothing reserved, no policy state advanced.
+//!
+//! **A prefix in flight** (dispatch and explain): when the chosen replica's match includes
+//! blocks an earlier request was sent there to compute and the replica has not reported yet
+//! (its KV events are live, and some prefill sent there has not answered), the request waits
+//! (`prefix_in_flight`, not blocking the queue) until the replica confirms them, for at most
+//! `prefix_in_flight_wait_ms`. An engine caches only computed blocks: sent at once, a burst's
+//! followers prefill the unfinished part of the shared prefix again beside the first request,
+//! slowing it and themselves (BENCHMARKS, issue 11, bursty traffic).
 
 use std::time::Duration;
 
@@ -213,6 +221,13 @@ impl GatewayState {
             }
         }
         placement.outcome = match self.decide(&placement.fleet, &ask, &exclude, dry_run) {
+            Ok(d) if self.prefix_in_flight(a, p, &d, waited) => {
+                placement.preferred = Some(d);
+                Outcome::Hold {
+                    reason: "prefix_in_flight",
+                    blocking: false,
+                }
+            }
             Ok(d) => Outcome::Go(d),
             Err(e) => match placement.held.first() {
                 Some((_, h)) => Outcome::Hold {
@@ -223,6 +238,33 @@ impl GatewayState {
             },
         };
         placement
+    }
+
+    /// Whether `d`'s replica is still computing part of the prefix it was chosen for (see the
+    /// module docs), and `p` has waited less than `prefix_in_flight_wait_ms` for it.
+    fn prefix_in_flight(
+        &self,
+        a: &ActivePolicy,
+        p: &Prepared,
+        d: &RouteDecision,
+        waited: Duration,
+    ) -> bool {
+        let cap = Duration::from_millis(a.file.prefix_in_flight_wait_ms);
+        if d.matched_blocks == 0 || waited >= cap {
+            return false;
+        }
+        let Some(r) = self.router.registry.replica(d.replica) else {
+            return false;
+        };
+        r.events_live()
+            && r.prefill_outstanding() > 0
+            && self
+                .router
+                .confirmed(p)
+                .get(d.replica)
+                .copied()
+                .unwrap_or(0)
+                < d.matched_blocks
     }
 
     /// The route's policy over `fleet`, never choosing a replica in `exclude`.

@@ -328,6 +328,18 @@ impl Router {
         )
     }
 
+    /// Per replica: leading blocks of the prompt it has itself reported cached (its KV events),
+    /// without the speculative records of requests sent there.
+    pub fn confirmed(&self, p: &Prepared) -> Vec<usize> {
+        let n = self.registry.slots();
+        self.registry.index.match_lengths(
+            &p.hashes[..p.cacheable],
+            n,
+            self.registry.now_s(),
+            &vec![0; n],
+        )
+    }
+
     /// Per replica: blocks after its match in `matched` that sit in its offload tier.
     pub fn offloaded(&self, p: &Prepared, matched: &[usize]) -> Vec<usize> {
         self.registry

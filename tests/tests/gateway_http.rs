@@ -414,3 +414,67 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
     assert_eq!(learnt["ttft_observations"], 1, "{after}");
     assert!(learnt["itl_ms_batch_1"].as_f64().unwrap() > 0.0, "{after}");
 }
+
+/// A burst's follower, sent while the first request is still prefilling the prefix they share,
+/// waits at the gateway for the replica to report those blocks (`prefix_in_flight`) and then
+/// finds the whole prefix cached; with the wait off it is sent at once and finds only the part
+/// computed so far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_waits_for_the_prefix_in_flight_instead_of_prefilling_it_again() {
+    async fn burst(wait_ms: u64) -> (u64, u64, String) {
+        // Small chunks and a slowed clock: the first prefill takes about 0.7 s.
+        let rep = start_replica(|c| {
+            c.max_num_batched_tokens = 256;
+            c.time_scale = 10.0;
+        })
+        .await;
+        let gw = start_gateway(&[&rep], |c| {
+            let mut f = config::PolicyFile::single(c.policy.clone());
+            f.hit_signals = config::HitSignals::Exact;
+            f.prefix_in_flight_wait_ms = wait_ms;
+            c.embedded_policy = Some(f);
+        })
+        .await;
+        let shared = "The quick brown fox jumps over the lazy dog. ".repeat(150);
+        let leader = {
+            let (base, client, body) = (gw.base.clone(), gw.client.clone(), chat(&shared, "one"));
+            tokio::spawn(async move {
+                let r = client
+                    .post(format!("{base}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                r.json::<Value>().await.unwrap()
+            })
+        };
+        rep.wait_load(|l| l["num_running_reqs"] == 1).await;
+        let r = gw.post("/v1/chat/completions", chat(&shared, "two")).await;
+        assert_eq!(r.status(), 200);
+        let follower: Value = r.json().await.unwrap();
+        let leader = leader.await.unwrap();
+        let prompt = leader["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = follower["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        (prompt, cached, gw.metrics_text().await)
+    }
+    let (prompt, cached, metrics) = burst(5_000).await;
+    // Everything but the differing question (and the block it starts in) came from the cache.
+    assert!(cached + 32 >= prompt, "waited: {cached} of {prompt} cached");
+    let held = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kvgate_gateway_admission_holds_total")
+                && l.contains("reason=\"prefix_in_flight\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(held >= 1.0, "the wait is counted: {held}");
+    let (prompt, cached, _) = burst(0).await;
+    assert!(
+        cached + 32 < prompt,
+        "sent at once: {cached} of {prompt} cached"
+    );
+}

@@ -196,6 +196,11 @@ impl ReplicaHandle {
 
     /// Whether the KV event stream is connected and indexed (index exact for this replica):
     /// not while an error (a block size that differs) keeps its events out.
+    /// Prefill this gateway sent here that has not shown a first byte yet, in tokens.
+    pub fn prefill_outstanding(&self) -> u64 {
+        self.prefill.outstanding()
+    }
+
     pub fn events_live(&self) -> bool {
         self.events_live.load(Ordering::Relaxed) && self.events_error.lock().is_none()
     }
