@@ -28,10 +28,10 @@ pub(crate) struct UpArgs {
     /// Admin/metrics port (0: any free port).
     #[arg(long, default_value_t = 9090)]
     admin_port: u16,
-    /// Replica model: a profile for sim; for cpu and cuda a GGUF file or Hugging Face folder
-    /// (default: models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf).
-    #[arg(long, default_value = "qwen3-8b")]
-    model: String,
+    /// Replica model: a profile for sim (default: qwen3-8b); for cpu and cuda a GGUF file or
+    /// Hugging Face folder (default: models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    model: Option<String>,
     /// Replica GPU profile.
     #[arg(long, default_value = "h100")]
     gpu: String,
@@ -216,12 +216,13 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 Some(d) => d.clone(),
                 None => default_files_or_fetch()?.join("models/qwen3"),
             };
+            let model = a.model.clone().unwrap_or_else(|| "qwen3-8b".into());
             Ok(Fleet {
                 backend: "sim",
                 replicas,
-                model: a.model.clone(),
+                served_model_name: served_model_name(&model),
+                model,
                 tokenizer,
-                served_model_name: served_model_name(&a.model),
                 threads: None,
                 embedded_policy: config::routes::DEFAULT_POLICY,
             })
@@ -242,10 +243,9 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                     if cuda { " (one per GPU)" } else { "" }
                 );
             }
-            let model = if a.model == "qwen3-8b" {
-                default_files_or_fetch()?.join(DEFAULT_MODEL_FILE)
-            } else {
-                PathBuf::from(&a.model)
+            let model = match &a.model {
+                None => default_files_or_fetch()?.join(DEFAULT_MODEL_FILE),
+                Some(m) => PathBuf::from(m),
             };
             if !model.exists() {
                 bail!("--model {}: no such file or folder", model.display());
@@ -315,6 +315,16 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
                 .with_context(|| format!("unknown policy `{k}`"))
         })
         .transpose()?;
+    // A policy file is checked before any replica starts, so its error is what the operator
+    // sees rather than the last of the replicas' start-up lines. The replicas' addresses come
+    // later; pools name them by position here.
+    if let Some(path) = &a.policy_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--policy-file {}", path.display()))?;
+        let slots: Vec<String> = (0..fleet.replicas).map(|i| format!("replica {i}")).collect();
+        config::PolicyFile::from_toml(&text, &slots)
+            .with_context(|| format!("--policy-file {} is invalid", path.display()))?;
+    }
     let fleet_token = random_token()?;
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);

@@ -8,12 +8,12 @@
 //! load_weight = 256.0
 //! ```
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, Validator};
 
 /// How consistent hashing keys a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HashKey {
     /// The session id header, falling back to the prefix when absent.
@@ -85,7 +85,7 @@ fn default_fallback() -> Box<PolicyConfig> {
 }
 
 /// What `prefix_aware` minimises.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum CostModel {
     /// Predicted time to first token at each replica, in seconds (queued prefill, this
@@ -99,7 +99,7 @@ pub enum CostModel {
 }
 
 /// Parameters of `prefix_aware` (see `policies::prefix_aware` for the scoring).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrefixAwareConfig {
     /// What the policy minimises (`ttft`, the default, or `tokens`).
@@ -177,7 +177,7 @@ impl Default for PrefixAwareConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PolicyConfig {
     /// Each healthy replica in turn.

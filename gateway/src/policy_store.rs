@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
-use config::{ConfigError, PolicyFile, RouteConfig};
+use config::{ConfigError, PolicyConfig, PolicyFile, RouteConfig};
 use parking_lot::Mutex;
 use policies::RoutingPolicy;
 use serde_json::{json, Value};
@@ -302,6 +302,7 @@ impl PolicyStore {
                     },
                     "pool": r.pool.iter().map(|&i| replica_names[i].clone()).collect::<Vec<_>>(),
                     "policy": r.policy.name(),
+                    "policy_knobs": knobs(r.cfg.policy.as_ref().unwrap_or(&a.file.policy)),
                     "admission": r.cfg.admission,
                     "max_concurrency": r.cfg.max_concurrency,
                     "max_prompt_tokens_in_flight": r.cfg.max_prompt_tokens_in_flight,
@@ -327,9 +328,11 @@ impl PolicyStore {
             "kv_high_water": a.file.kv_high_water,
             "preemption_holdoff_ms": a.file.preemption_holdoff_ms,
             "admission_headroom": a.file.admission_headroom,
+            "prefix_in_flight_wait_ms": a.file.prefix_in_flight_wait_ms,
             "hit_signals": format!("{:?}", a.file.hit_signals).to_lowercase(),
             "cache_groups": a.file.cache_groups,
             "default_policy": a.file.policy.kind(),
+            "default_policy_knobs": knobs(&a.file.policy),
             "routes": routes,
             "last_error": err.map(|e| json!({
                 "at_unix": e.at_unix,
@@ -338,6 +341,16 @@ impl PolicyStore {
             })),
         })
     }
+}
+
+/// A policy's every parameter as in force — the file's values with the defaults filled in, and
+/// `prefix_aware`'s count guard as it applies under its cost — for `GET /admin/policy`.
+fn knobs(p: &PolicyConfig) -> Value {
+    let mut v = serde_json::to_value(p).unwrap_or_default();
+    if let (PolicyConfig::PrefixAware(c), Some(o)) = (p, v.as_object_mut()) {
+        o.insert("balance_abs_threshold".into(), json!(c.abs_threshold()));
+    }
+    v
 }
 
 fn build(

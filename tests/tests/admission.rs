@@ -252,6 +252,18 @@ async fn requests_take_their_route_and_pool() {
     assert_eq!(p["routes"][0]["pool"], json!([replicas[1].host_port()]));
     assert_eq!(p["routes"][2]["slo"]["ttft_ms"], 5000);
     assert!(p["last_error"].is_null());
+    // ... and every knob in force, defaults filled in.
+    assert_eq!(p["prefix_in_flight_wait_ms"], 1000);
+    for r in p["routes"].as_array().unwrap() {
+        assert_eq!(r["policy_knobs"]["kind"], r["policy"], "{r}");
+    }
+    let d = &p["default_policy_knobs"];
+    assert_eq!(d["kind"], p["default_policy"]);
+    if d["kind"] == "prefix_aware" {
+        assert_eq!(d["cost"], "ttft");
+        assert_eq!(d["itl_headroom"], 0.6);
+        assert!(d["balance_abs_threshold"].is_null(), "no count guard under ttft: {d}");
+    }
 }
 
 async fn wait_for(g: &Gateway, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
