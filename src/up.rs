@@ -321,7 +321,9 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
     if let Some(path) = &a.policy_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--policy-file {}", path.display()))?;
-        let slots: Vec<String> = (0..fleet.replicas).map(|i| format!("replica {i}")).collect();
+        let slots: Vec<String> = (0..fleet.replicas)
+            .map(|i| format!("replica {i}"))
+            .collect();
         config::PolicyFile::from_toml(&text, &slots)
             .with_context(|| format!("--policy-file {} is invalid", path.display()))?;
     }

@@ -262,7 +262,10 @@ async fn requests_take_their_route_and_pool() {
     if d["kind"] == "prefix_aware" {
         assert_eq!(d["cost"], "ttft");
         assert_eq!(d["itl_headroom"], 0.6);
-        assert!(d["balance_abs_threshold"].is_null(), "no count guard under ttft: {d}");
+        assert!(
+            d["balance_abs_threshold"].is_null(),
+            "no count guard under ttft: {d}"
+        );
     }
 }
 

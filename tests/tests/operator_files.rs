@@ -163,9 +163,16 @@ fn gateway_check_validates_every_file_and_exits() {
 #[test]
 fn kvgate_up_refuses_a_bad_policy_file_before_starting_replicas() {
     let bin = kvgate_binary();
-    assert!(bin.exists(), "build the binary first (scripts/test.sh does)");
+    assert!(
+        bin.exists(),
+        "build the binary first (scripts/test.sh does)"
+    );
     let path = std::env::temp_dir().join(format!("kvgate-up-bad-{}.toml", std::process::id()));
-    std::fs::write(&path, "version = \"x\"\nadmission_headroom = 2.0\n[policy]\nkind = \"prefix_aware\"\n").unwrap();
+    std::fs::write(
+        &path,
+        "version = \"x\"\nadmission_headroom = 2.0\n[policy]\nkind = \"prefix_aware\"\n",
+    )
+    .unwrap();
     let out = std::process::Command::new(&bin)
         .args(["up", "--port", "0", "--admin-port", "0", "--policy-file"])
         .arg(&path)
@@ -176,8 +183,14 @@ fn kvgate_up_refuses_a_bad_policy_file_before_starting_replicas() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(!out.status.success(), "{stdout}{stderr}");
-    assert!(stderr.contains("is invalid") && stderr.contains("admission_headroom"), "{stderr}");
-    assert!(!stdout.contains("replica"), "no replica was started: {stdout}");
+    assert!(
+        stderr.contains("is invalid") && stderr.contains("admission_headroom"),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.contains("replica"),
+        "no replica was started: {stdout}"
+    );
     let _ = std::fs::remove_file(&path);
 }
 
