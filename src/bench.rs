@@ -237,16 +237,9 @@ impl Oracle {
         let measure: Vec<bool> = at.iter().map(|t| *t >= a.warmup).collect();
         let reqs = loadtest::oracle::oracle_requests(tok, &a.model, a.block_size, &items, &measure)
             .ok()?;
-        let (prompt, cached) = reqs.iter().fold((0u64, 0u64), |(p, c), r| {
-            (p + r.prompt_tokens, c + r.cached_tokens)
-        });
         Some(loadtest::compare::OracleAtRate {
             rate,
-            hit_ratio: if prompt == 0 {
-                0.0
-            } else {
-                cached as f64 / prompt as f64
-            },
+            hit_ratio: loadtest::oracle::OracleHits::of(&reqs).ratio(),
             ttft_floor_s: self
                 .idle
                 .as_ref()

@@ -33,6 +33,15 @@ pub struct OracleHits {
 }
 
 impl OracleHits {
+    /// The totals over `reqs`.
+    pub fn of(reqs: &[OracleRequest]) -> Self {
+        reqs.iter().fold(OracleHits::default(), |mut h, r| {
+            h.prompt_tokens += r.prompt_tokens;
+            h.cached_tokens += r.cached_tokens;
+            h
+        })
+    }
+
     pub fn ratio(&self) -> f64 {
         if self.prompt_tokens == 0 {
             0.0
@@ -42,24 +51,8 @@ impl OracleHits {
     }
 }
 
-/// Walks `items` in sending order; counts only those with `measure[i]` (warm-up requests fill
-/// the cache but are not reported, as in a run).
-pub fn oracle_hits(
-    tok: &TextTokenizer,
-    model: &str,
-    block_size: usize,
-    items: &[WorkItem],
-    measure: &[bool],
-) -> Result<OracleHits, protocol::ApiError> {
-    let reqs = oracle_requests(tok, model, block_size, items, measure)?;
-    Ok(reqs.iter().fold(OracleHits::default(), |mut h, r| {
-        h.prompt_tokens += r.prompt_tokens;
-        h.cached_tokens += r.cached_tokens;
-        h
-    }))
-}
-
-/// Every measured request's prompt and oracle-cached tokens, in sending order.
+/// Walks `items` in sending order; returns every measured request's (`measure[i]`) prompt and
+/// oracle-cached tokens. Warm-up requests fill the cache but are not reported, as in a run.
 pub fn oracle_requests(
     tok: &TextTokenizer,
     model: &str,

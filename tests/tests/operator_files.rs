@@ -116,16 +116,17 @@ fn kvgate_binary() -> std::path::PathBuf {
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    target.join("debug/kvgate")
+    let bin = target.join("debug/kvgate");
+    assert!(
+        bin.exists(),
+        "build the binary first (scripts/test.sh does)"
+    );
+    bin
 }
 
 #[test]
 fn gateway_check_validates_every_file_and_exits() {
     let bin = kvgate_binary();
-    assert!(
-        bin.exists(),
-        "build the binary first (scripts/test.sh does)"
-    );
     let dir = std::env::temp_dir().join(format!("kvgate-check-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
@@ -163,10 +164,6 @@ fn gateway_check_validates_every_file_and_exits() {
 #[test]
 fn kvgate_up_refuses_a_bad_policy_file_before_starting_replicas() {
     let bin = kvgate_binary();
-    assert!(
-        bin.exists(),
-        "build the binary first (scripts/test.sh does)"
-    );
     let path = std::env::temp_dir().join(format!("kvgate-up-bad-{}.toml", std::process::id()));
     std::fs::write(
         &path,
