@@ -10,7 +10,9 @@
 #   KVGATE_SGLANG=0 (leave sglang-router out), KVGATE_SGLANG_VARIANTS ("name=extra args;..."
 #   one sglang-router per entry, default "sglang_cache_aware=$KVGATE_SGLANG_ARGS"),
 #   KVGATE_POLICY_FILES ("name=file.toml ..."):
-#   instead of the five policy gateways, one gateway per policy file (KV events on).
+#   instead of the five policy gateways, one gateway per policy file (KV events on),
+#   KVGATE_GATEWAY_BINS ("name=path ..."): the kvgate binary a named gateway runs instead of
+#   KVGATE_BIN (an A/B of two builds in front of the same replicas).
 # Writes DIR/report.json, DIR/report.md and plots (bench), DIR/setup.txt and DIR/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -185,7 +187,12 @@ kv_events = $3
 kind = "$2"
 $access_log
 TOML
-  "$bin" gateway --config "$work/$name.toml" >"$logs/gateway-$name.log" 2>&1 &
+  local gw_bin=$bin spec
+  for spec in ${KVGATE_GATEWAY_BINS:-}; do
+    [ "${spec%%=*}" = "$name" ] && gw_bin=${spec#*=}
+  done
+  [ -x "$gw_bin" ] || { echo "compare.sh: gateway $name: no binary at $gw_bin" >&2; exit 1; }
+  "$gw_bin" gateway --config "$work/$name.toml" >"$logs/gateway-$name.log" 2>&1 &
   pid=$!
   pids+=("$pid")
   wait_until "gateway $name" "$pid" 60 \

@@ -12,7 +12,10 @@
 //! the work in front of a request, and a young fit's intercept is mostly noise. The cheapest
 //! replica wins; every
 //! replica within `max(tie_ms, tie_ratio × cheapest)` of it counts as tied, and among tied
-//! replicas the longest cached prefix wins (affinity breaks ties), then the rendezvous hash.
+//! replicas the longest cached prefix wins (affinity breaks ties), then the fewest requests,
+//! then the rendezvous hash. Costs inside the window are not compared again: there they
+//! differ by the noise in each replica's learnt rate, and ordering by it sent every new prefix
+//! on an idle fleet to whichever replica had happened to measure fastest.
 //!
 //! A hot prefix therefore spreads by itself: while the holder's queue is short it wins on the
 //! cache it holds; once its queued prefill makes it slower than prefilling the prefix from
@@ -134,7 +137,8 @@ impl PrefixAware {
     }
 
     /// The winner among `candidates`: under `ttft`, the longest cached prefix among those tied
-    /// with the cheapest; under `tokens`, the cheapest. The rendezvous hash breaks what is left.
+    /// with the cheapest, then the fewest requests; under `tokens`, the cheapest. The
+    /// rendezvous hash breaks what is left.
     fn pick<'s>(
         &self,
         req: &RouteRequest<'_>,
@@ -152,7 +156,7 @@ impl PrefixAware {
             .min_by(|a, b| {
                 b.matched_blocks
                     .cmp(&a.matched_blocks)
-                    .then(a.cost.total_cmp(&b.cost))
+                    .then(a.load.cmp(&b.load))
                     .then_with(|| hash(b).cmp(&hash(a)))
             })
     }
@@ -649,6 +653,34 @@ mod tests {
             used.insert(a);
         }
         assert_eq!(used.len(), 4);
+    }
+
+    #[test]
+    fn learnt_rates_a_little_apart_do_not_pull_every_new_prefix_to_one_replica() {
+        // Each replica learnt a slightly different prefill rate from its own few requests: the
+        // fastest is 2 ms quicker on a short prompt, well inside the tie window. New prefixes
+        // still spread by the hash, as on a fleet with identical fits.
+        let mut set = fleet(&[0, 0, 0, 0]);
+        for (i, r) in set.replicas.iter_mut().enumerate() {
+            r.speed.seconds_per_token = (1.0 + 0.1 * i as f64) / 8_000.0;
+        }
+        let p = policy();
+        let mut used = std::collections::HashSet::new();
+        for k in 0..40u64 {
+            let h = [k * 31 + 7; 4];
+            used.insert(p.route(&request(&h, &[0, 0, 0, 0]), &set).unwrap().replica);
+        }
+        assert_eq!(used.len(), 4, "{used:?}");
+    }
+
+    #[test]
+    fn within_the_window_the_replica_with_fewer_requests_wins() {
+        // Same (no) cache, replica 0 runs 3 streams, replica 1 one: the extra stall is a few
+        // milliseconds, inside the window, and the request count decides.
+        let hashes = [5u64; 4];
+        let set = timed_fleet(&[3, 1], &[0, 0]);
+        let d = policy().route(&request(&hashes, &[0, 0]), &set).unwrap();
+        assert_eq!(d.replica, 1, "{:?}", d.scores);
     }
 
     #[test]
