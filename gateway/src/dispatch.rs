@@ -189,8 +189,11 @@ impl GatewayState {
                         let Some(replica) = self.router.registry.replica(d.replica) else {
                             continue;
                         };
-                        let pending =
-                            PendingPrefill::new(replica, self.uncached(p, &matched, d.replica));
+                        let pending = PendingPrefill::new(
+                            replica,
+                            self.uncached(p, &matched, d.replica),
+                            &p.hashes[..p.cacheable],
+                        );
                         let admitted = Admitted::new(
                             rt.clone(),
                             p.prompt_tokens as u64,

@@ -17,7 +17,8 @@
 //!
 //! **A prefix in flight** (dispatch and explain): when the chosen replica's match includes
 //! blocks an earlier request was sent there to compute and the replica has not reported yet
-//! (its KV events are live, and some prefill sent there has not answered), the request waits
+//! (its KV events are live, and a request whose prompt carries the first unconfirmed block has
+//! not answered there yet), the request waits
 //! (`prefix_in_flight`, not blocking the queue) until the replica confirms them, for at most
 //! `prefix_in_flight_wait_ms`. An engine caches only computed blocks: sent at once, a burst's
 //! followers prefill the unfinished part of the shared prefix again beside the first request,
@@ -256,15 +257,19 @@ impl GatewayState {
         let Some(r) = self.router.registry.replica(d.replica) else {
             return false;
         };
-        r.events_live()
-            && r.prefill_outstanding() > 0
-            && self
-                .router
-                .confirmed(p)
-                .get(d.replica)
-                .copied()
-                .unwrap_or(0)
-                < d.matched_blocks
+        if !r.events_live() {
+            return false;
+        }
+        let confirmed = self
+            .router
+            .confirmed(p)
+            .get(d.replica)
+            .copied()
+            .unwrap_or(0);
+        // The first block the events have not confirmed must belong to a request still
+        // prefilling there. Otherwise the speculative record is stale (its request answered,
+        // and the blocks were evicted before the events showed them), and nothing will come.
+        confirmed < d.matched_blocks && r.computing(confirmed, p.hashes[confirmed])
     }
 
     /// The route's policy over `fleet`, never choosing a replica in `exclude`.

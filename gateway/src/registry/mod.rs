@@ -194,13 +194,14 @@ impl ReplicaHandle {
         self.retired.load(Ordering::Relaxed)
     }
 
-    /// Whether the KV event stream is connected and indexed (index exact for this replica):
-    /// not while an error (a block size that differs) keeps its events out.
-    /// Prefill this gateway sent here that has not shown a first byte yet, in tokens.
-    pub fn prefill_outstanding(&self) -> u64 {
-        self.prefill.outstanding()
+    /// Whether a request this gateway sent here, not yet answered, has `hash` as its prompt's
+    /// block `k`: that prefix is still being prefilled here.
+    pub fn computing(&self, k: usize, hash: u64) -> bool {
+        self.prefill.computing(k, hash)
     }
 
+    /// Whether the KV event stream is connected and indexed (index exact for this replica):
+    /// not while an error (a block size that differs) keeps its events out.
     pub fn events_live(&self) -> bool {
         self.events_live.load(Ordering::Relaxed) && self.events_error.lock().is_none()
     }
@@ -260,13 +261,17 @@ pub struct PendingPrefill {
 }
 
 impl PendingPrefill {
-    /// Adds `tokens`; returns the guard and the prefill still to do ahead of them.
-    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64) -> (Self, u64) {
+    /// Adds `tokens` (the uncached part of a prompt whose cacheable block hashes are
+    /// `blocks`); returns the guard and the prefill still to do ahead of them.
+    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: &[u64]) -> (Self, u64) {
         let (overhead_s, seconds_per_token) = replica.model.lock().ttft_coefficients();
-        let (id, ahead) =
-            replica
-                .prefill
-                .add(tokens, Instant::now(), overhead_s, seconds_per_token);
+        let (id, ahead) = replica.prefill.add(
+            tokens,
+            Arc::from(blocks),
+            Instant::now(),
+            overhead_s,
+            seconds_per_token,
+        );
         (
             PendingPrefill {
                 replica,

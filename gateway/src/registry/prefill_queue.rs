@@ -14,12 +14,24 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
+
+/// One unanswered request.
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    tokens: u64,
+    sent: Instant,
+    /// Its prompt's cacheable block hashes (chained: the hash at `k` names the whole prefix
+    /// up to block `k`), so placement can ask whether a prefix is still being computed here.
+    blocks: Arc<[u64]>,
+}
 
 #[derive(Debug, Default)]
 struct Queue {
-    /// Unanswered requests, oldest first: (id, tokens, sent at).
-    waiting: VecDeque<(u64, u64, Instant)>,
+    /// Unanswered requests, oldest first.
+    waiting: VecDeque<Entry>,
     next_id: u64,
     /// When the last answer came back.
     last_answer: Option<Instant>,
@@ -43,7 +55,12 @@ impl PrefillQueue {
     pub fn remaining(&self, now: Instant, overhead_s: f64, seconds_per_token: f64) -> u64 {
         let q = self.queue.lock();
         let outstanding = self.outstanding();
-        let Some(&(_, head_tokens, sent)) = q.waiting.front() else {
+        let Some(&Entry {
+            tokens: head_tokens,
+            sent,
+            ..
+        }) = q.waiting.front()
+        else {
             return outstanding;
         };
         if seconds_per_token <= 0.0 {
@@ -55,10 +72,12 @@ impl PrefillQueue {
         outstanding.saturating_sub(done)
     }
 
-    /// Adds a request's `tokens`; returns its id and the prefill still to do in front of it.
+    /// Adds a request's `tokens` (its prompt's cacheable block hashes: `blocks`); returns its
+    /// id and the prefill still to do in front of it.
     pub fn add(
         &self,
         tokens: u64,
+        blocks: Arc<[u64]>,
         now: Instant,
         overhead_s: f64,
         seconds_per_token: f64,
@@ -67,17 +86,32 @@ impl PrefillQueue {
         let mut q = self.queue.lock();
         let id = q.next_id;
         q.next_id += 1;
-        q.waiting.push_back((id, tokens, now));
+        q.waiting.push_back(Entry {
+            id,
+            tokens,
+            sent: now,
+            blocks,
+        });
         self.outstanding.fetch_add(tokens, Ordering::Relaxed);
         (id, ahead)
+    }
+
+    /// Whether an unanswered request's prompt has `hash` as its block `k`: the prefix up to
+    /// that block is still being prefilled here (or waits to be).
+    pub fn computing(&self, k: usize, hash: u64) -> bool {
+        self.queue
+            .lock()
+            .waiting
+            .iter()
+            .any(|e| e.blocks.get(k) == Some(&hash))
     }
 
     /// Request `id` was answered (first byte) or abandoned at `now`.
     pub fn done(&self, id: u64, now: Instant) {
         let mut q = self.queue.lock();
-        if let Some(i) = q.waiting.iter().position(|&(r, _, _)| r == id) {
-            let (_, tokens, _) = q.waiting.remove(i).expect("position is in range");
-            self.outstanding.fetch_sub(tokens, Ordering::Relaxed);
+        if let Some(i) = q.waiting.iter().position(|e| e.id == id) {
+            let e = q.waiting.remove(i).expect("position is in range");
+            self.outstanding.fetch_sub(e.tokens, Ordering::Relaxed);
             q.last_answer = Some(now);
         }
     }
@@ -90,13 +124,33 @@ mod tests {
 
     const SPT: f64 = 1.0 / 2_000.0; // 2,000 tokens a second
 
+    fn none() -> Arc<[u64]> {
+        Arc::from(Vec::new())
+    }
+
+    #[test]
+    fn a_prefix_is_computing_until_the_request_carrying_it_is_answered() {
+        let q = PrefillQueue::default();
+        let t0 = Instant::now();
+        let (a, _) = q.add(700, Arc::from(vec![11, 12, 13]), t0, 0.0, SPT);
+        let (b, _) = q.add(300, Arc::from(vec![11, 22]), t0, 0.0, SPT);
+        assert!(q.computing(2, 13) && q.computing(1, 22) && q.computing(0, 11));
+        // A hash at another position is another prefix.
+        assert!(!q.computing(0, 13) && !q.computing(3, 13));
+        q.done(a, t0 + Duration::from_millis(350));
+        assert!(!q.computing(2, 13) && !q.computing(1, 12));
+        assert!(q.computing(0, 11), "b still carries block 0");
+        q.done(b, t0 + Duration::from_millis(500));
+        assert!(!q.computing(0, 11));
+    }
+
     #[test]
     fn a_follower_sees_only_the_prefill_left_to_do() {
         let q = PrefillQueue::default();
         let t0 = Instant::now();
-        assert_eq!(q.add(1_400, t0, 0.02, SPT).1, 0);
+        assert_eq!(q.add(1_400, none(), t0, 0.02, SPT).1, 0);
         // 0.37 s later: 0.35 s of work done (700 tokens) of the 1,400.
-        let (_, ahead) = q.add(50, t0 + Duration::from_millis(370), 0.02, SPT);
+        let (_, ahead) = q.add(50, none(), t0 + Duration::from_millis(370), 0.02, SPT);
         assert!((690..=710).contains(&ahead), "{ahead}");
         assert_eq!(q.outstanding(), 1_450);
         // Long after, the oldest is credited whole but no more: the follower's 50 remain.
@@ -109,13 +163,13 @@ mod tests {
         let mut t = Instant::now();
         let mut ids = Vec::new();
         for _ in 0..4 {
-            ids.push(q.add(200, t, 0.0, SPT).0);
+            ids.push(q.add(200, none(), t, 0.0, SPT).0);
         }
         // An hour of steady traffic: answers and new requests keep the queue non-empty.
         for _ in 0..1_000 {
             t += Duration::from_millis(3_600);
             q.done(ids.remove(0), t);
-            ids.push(q.add(200, t, 0.0, SPT).0);
+            ids.push(q.add(200, none(), t, 0.0, SPT).0);
         }
         // Just after an answer, the head has been worked on for no time: all 800 are ahead.
         assert_eq!(q.remaining(t, 0.0, SPT), 800);
@@ -127,8 +181,8 @@ mod tests {
     fn answers_out_of_order_and_abandoned_requests_leave_the_queue() {
         let q = PrefillQueue::default();
         let t0 = Instant::now();
-        let (a, _) = q.add(1_000, t0, 0.0, SPT);
-        let (b, _) = q.add(300, t0, 0.0, SPT);
+        let (a, _) = q.add(1_000, none(), t0, 0.0, SPT);
+        let (b, _) = q.add(300, none(), t0, 0.0, SPT);
         q.done(b, t0 + Duration::from_millis(100));
         assert_eq!(q.outstanding(), 1_000);
         q.done(a, t0 + Duration::from_millis(200));
