@@ -192,7 +192,7 @@ impl GatewayState {
                         let pending = PendingPrefill::new(
                             replica,
                             self.uncached(p, &matched, d.replica),
-                            &p.hashes[..p.cacheable],
+                            p.hashes.clone(),
                         );
                         let admitted = Admitted::new(
                             rt.clone(),

@@ -280,7 +280,7 @@ impl GatewayState {
                 Some(x) if attempt == 0 => x,
                 _ => {
                     router.sent(d.replica, p, None);
-                    PendingPrefill::new(replica.clone(), uncached_tokens, &p.hashes[..p.cacheable])
+                    PendingPrefill::new(replica.clone(), uncached_tokens, p.hashes.clone())
                 }
             };
             let sent_at = Instant::now();

@@ -64,8 +64,9 @@ pub struct Prepared {
     pub prompt_tokens: usize,
     /// The longest single prompt of the request.
     pub largest_prompt_tokens: usize,
-    /// Hashes of every full block of the (first) prompt.
-    pub hashes: Vec<u64>,
+    /// Hashes of every full block of the (first) prompt (shared with the replica's prefill
+    /// queue while the request is unanswered, not copied).
+    pub hashes: Arc<[u64]>,
     /// Leading blocks a replica could serve from cache (the last prompt token is always
     /// computed).
     pub cacheable: usize,
@@ -311,7 +312,7 @@ impl Router {
             prompt_tokens: total,
             largest_prompt_tokens: largest,
             cacheable: cacheable_prompt_blocks(first.len(), self.block_size).min(hashes.len()),
-            hashes,
+            hashes: hashes.into(),
             session_id: caller.session_id.clone(),
             tokenize_seconds,
             doc: Arc::new(doc),

@@ -261,13 +261,13 @@ pub struct PendingPrefill {
 }
 
 impl PendingPrefill {
-    /// Adds `tokens` (the uncached part of a prompt whose cacheable block hashes are
-    /// `blocks`); returns the guard and the prefill still to do ahead of them.
-    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: &[u64]) -> (Self, u64) {
+    /// Adds `tokens` (the uncached part of a prompt whose block hashes are `blocks`); returns
+    /// the guard and the prefill still to do ahead of them.
+    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: Arc<[u64]>) -> (Self, u64) {
         let (overhead_s, seconds_per_token) = replica.model.lock().ttft_coefficients();
         let (id, ahead) = replica.prefill.add(
             tokens,
-            Arc::from(blocks),
+            blocks,
             Instant::now(),
             overhead_s,
             seconds_per_token,

@@ -23,8 +23,9 @@ struct Entry {
     id: u64,
     tokens: u64,
     sent: Instant,
-    /// Its prompt's cacheable block hashes (chained: the hash at `k` names the whole prefix
-    /// up to block `k`), so placement can ask whether a prefix is still being computed here.
+    /// Its prompt's block hashes (chained: the hash at `k` names the whole prefix up to block
+    /// `k`), so placement can ask whether a prefix is still being computed here. Shared with
+    /// the request, not copied.
     blocks: Arc<[u64]>,
 }
 
@@ -72,7 +73,7 @@ impl PrefillQueue {
         outstanding.saturating_sub(done)
     }
 
-    /// Adds a request's `tokens` (its prompt's cacheable block hashes: `blocks`); returns its
+    /// Adds a request's `tokens` (its prompt's block hashes: `blocks`); returns its
     /// id and the prefill still to do in front of it.
     pub fn add(
         &self,
