@@ -1,9 +1,10 @@
-//! Where the gateway's fleet comes from beyond the plain `replicas` list: replicas given as
-//! tables naming their engine and its ZMQ KV event endpoints, and `[discovery]` by DNS.
+//! The gateway's fleet: the rules a replica list obeys (one set, shared by the gateway file and
+//! `PUT /admin/replicas`), replicas given as tables naming their engine and its ZMQ KV event
+//! endpoints, and `[discovery]` by DNS.
 
 use serde::Deserialize;
 
-use crate::error::ConfigError;
+use crate::error::{ConfigError, Validator};
 
 /// `host:port` with a port other than 0.
 pub(crate) fn is_host_port(r: &str) -> bool {
@@ -107,4 +108,58 @@ impl Default for DiscoveryConfig {
 
 fn default_discovery_every() -> u64 {
     10
+}
+
+/// Replicas one gateway may list: a sanity bound, not a data-structure limit (the prefix index
+/// grows in groups of 64).
+pub const MAX_REPLICAS: usize = 4096;
+
+/// Checks a replica list (already normalised): non-empty, `host:port` each, no duplicates.
+pub(crate) fn check_replicas(replicas: &[String], v: &mut Validator) {
+    v.check(
+        !replicas.is_empty(),
+        "replicas",
+        "[]",
+        "list at least one replica (or name them through discovery.dns)",
+    );
+    v.check(
+        replicas.len() <= MAX_REPLICAS,
+        "replicas",
+        replicas.len(),
+        "at most 4096 replicas per gateway",
+    );
+    for (i, r) in replicas.iter().enumerate() {
+        let field = format!("replicas[{i}]");
+        if r.starts_with("https://") {
+            v.check(
+                false,
+                &field,
+                format!("{r:?}"),
+                "kvgate talks plain HTTP to replicas; TLS to replicas is not supported (give host:port)",
+            );
+            continue;
+        }
+        v.check(
+            is_host_port(r),
+            &field,
+            format!("{r:?}"),
+            "must be host:port (http://host:port is accepted too)",
+        );
+        v.check(
+            !replicas[..i].contains(r),
+            &field,
+            format!("{r:?}"),
+            "listed twice",
+        );
+    }
+}
+
+/// Normalises and checks a replica list given at run time (`PUT /admin/replicas`), with the
+/// same rules as the gateway file's `replicas`.
+pub fn replica_list(list: &[String]) -> Result<Vec<String>, ConfigError> {
+    let list: Vec<String> = list.iter().map(|r| normalize_replica(r)).collect();
+    let mut v = Validator::new();
+    check_replicas(&list, &mut v);
+    v.finish()?;
+    Ok(list)
 }

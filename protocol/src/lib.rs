@@ -16,6 +16,7 @@ pub mod openai_fields;
 pub mod segment_cache;
 pub mod slo;
 pub mod sse;
+pub mod time;
 pub mod token_bound;
 pub mod tokenizer;
 

@@ -15,6 +15,7 @@ use protocol::openai::{
     PromptInput, SamplingFields, Usage,
 };
 use protocol::sse::{data_event, DONE};
+use protocol::time::unix_now;
 use protocol::ApiError;
 use tokio::sync::mpsc;
 
@@ -25,13 +26,6 @@ use crate::sampling::SamplingParams;
 use crate::state::AppState;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
@@ -258,9 +252,9 @@ async fn stream_choice(
         }
         let delta = match choice.on_event(&state.tokenizer, ev) {
             Ok(d) => d,
-            Err(msg) => {
+            Err(e) => {
                 let _ = tx
-                    .send(data_event(&ApiError::invalid_request(msg).body))
+                    .send(data_event(&ApiError::invalid_request(e.to_string()).body))
                     .await;
                 return None;
             }
@@ -333,7 +327,7 @@ async fn collect_choice(
         })?;
         choice
             .on_event(&state.tokenizer, ev)
-            .map_err(ApiError::invalid_request)?;
+            .map_err(|e| ApiError::invalid_request(e.to_string()))?;
     }
     Ok(choice)
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 use protocol::hashing::DEFAULT_BLOCK_SIZE;
+use protocol::time::unix_now;
 use protocol::tokenizer::TextTokenizer;
 use tokio::net::TcpListener;
 
@@ -146,13 +147,6 @@ impl ReplicaServer {
     pub async fn run_until_killed(self, shutdown: impl std::future::Future<Output = ()>) {
         crate::server::serve(self.listener, self.state, shutdown, Duration::ZERO).await;
     }
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// What a backend brings to the common assembly.

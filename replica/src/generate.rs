@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use protocol::openai::Usage;
-use protocol::tokenizer::{IncrementalDecoder, TextTokenizer};
+use protocol::tokenizer::{IncrementalDecoder, TextTokenizer, TokenizerError};
 use serde_json::{json, Value};
 
 use crate::engine::EngineEvent;
@@ -29,6 +29,17 @@ pub struct ChoiceState {
     logprobs: Option<Vec<(u32, Arc<TokenLogprobs>)>>,
     /// Entries of `logprobs` already sent in stream chunks.
     logprobs_sent: usize,
+}
+
+/// Why a choice's text cannot go on; the request ends and the client is told this message.
+#[derive(Debug, thiserror::Error)]
+pub enum ChoiceError {
+    /// The engine could not run the request (its message, as the engine gave it).
+    #[error("{0}")]
+    EngineFailed(String),
+    /// A generated token could not be turned into text.
+    #[error(transparent)]
+    Detokenize(#[from] TokenizerError),
 }
 
 /// What one engine event adds to the choice.
@@ -89,8 +100,8 @@ impl ChoiceState {
         )
     }
 
-    /// Consumes one engine event. An `Err` is an engine failure to report to the client.
-    pub fn on_event(&mut self, tok: &TextTokenizer, ev: EngineEvent) -> Result<Delta, String> {
+    /// Consumes one engine event. An `Err` is a failure to report to the client.
+    pub fn on_event(&mut self, tok: &TextTokenizer, ev: EngineEvent) -> Result<Delta, ChoiceError> {
         let (token, finish, prompt_tokens, cached) = match ev {
             EngineEvent::Token {
                 token,
@@ -104,12 +115,12 @@ impl ChoiceState {
                 }
                 (token, finish, prompt_tokens, cached_tokens)
             }
-            EngineEvent::Failed(msg) => return Err(msg),
+            EngineEvent::Failed(msg) => return Err(ChoiceError::EngineFailed(msg)),
         };
         self.completion_tokens += 1;
         self.prompt_tokens = prompt_tokens as u32;
         self.cached_tokens = cached as u32;
-        let piece = self.decoder.step(tok, token).map_err(|e| e.to_string())?;
+        let piece = self.decoder.step(tok, token)?;
         self.text.push_str(&piece);
         // A stop string may straddle the previous piece: search from where it could start.
         if !self.stops.is_empty() {

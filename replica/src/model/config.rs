@@ -5,7 +5,7 @@ use kernels::ops::Rope;
 use protocol::gguf::GgufHeader;
 use serde_json::Value;
 
-use super::weights::LoadError;
+use super::error::LoadError;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {

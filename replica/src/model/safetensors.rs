@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use super::weights::LoadError;
+use super::error::LoadError;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorEntry {

@@ -12,36 +12,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kernels::kquant::KQuant;
-use kernels::matrix::SharedBytes;
+use kernels::matrix::{MatrixError, SharedBytes};
 use kernels::{Format, Matrix};
-use protocol::gguf::{ggml_type, GgufError, GgufHeader};
+use protocol::gguf::{ggml_type, GgufHeader};
 
 use super::config::LlamaConfig;
+use super::error::LoadError;
 use super::safetensors;
-
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error(transparent)]
-    Gguf(#[from] GgufError),
-    #[error("cannot read {path}: {reason}")]
-    Io { path: String, reason: String },
-    #[error("{path}: {what} is not supported")]
-    Unsupported { path: String, what: String },
-    #[error("{path}: `{key}` should be {expected}")]
-    Key {
-        path: String,
-        key: String,
-        expected: &'static str,
-    },
-    #[error("{path}: tensor `{tensor}`: {what}")]
-    Tensor {
-        path: String,
-        tensor: String,
-        what: String,
-    },
-    #[error("{path} is truncated or corrupt: {what}")]
-    Corrupt { path: String, what: String },
-}
 
 /// How to hold the weights.
 #[derive(Debug, Clone, Copy, Default)]
@@ -129,8 +106,8 @@ impl LlamaWeights {
             .and_then(|v| v.as_array())
             .map(|a| a.len());
         let mut config = LlamaConfig::from_gguf(&header, n_tokens)?;
-        let file = File::open(path).map_err(|e| io(path, e))?;
-        let bytes: SharedBytes = Arc::new(map(&file).map_err(|e| io(path, e))?);
+        let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
+        let bytes: SharedBytes = Arc::new(map(&file).map_err(|e| LoadError::io(path, e))?);
         let src = GgufSource {
             header: &header,
             bytes,
@@ -178,7 +155,7 @@ impl LlamaWeights {
     pub fn from_hf_dir(dir: &Path, opts: LoadOptions) -> Result<Self, LoadError> {
         let _ = opts;
         let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| io(&cfg_path, e))?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| LoadError::io(&cfg_path, e))?;
         let cfg: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| LoadError::Corrupt {
                 path: cfg_path.display().to_string(),
@@ -200,7 +177,7 @@ impl LlamaWeights {
         let mut table: BTreeMap<String, (usize, safetensors::TensorEntry)> = BTreeMap::new();
         let mut blobs: Vec<(PathBuf, Vec<u8>)> = Vec::new();
         for (i, f) in files.iter().enumerate() {
-            let bytes = std::fs::read(f).map_err(|e| io(f, e))?;
+            let bytes = std::fs::read(f).map_err(|e| LoadError::io(f, e))?;
             for (name, entry) in safetensors::read_header(&bytes, f)? {
                 table.insert(name, (i, entry));
             }
@@ -412,7 +389,7 @@ fn permute_rope_rows(w: Vec<f32>, heads: usize, cols: usize, to_interleaved: boo
 /// The files in `dir` named `*.ext`, sorted.
 fn files_with_extension(dir: &Path, ext: &str) -> Result<Vec<PathBuf>, LoadError> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| io(dir, e))?
+        .map_err(|e| LoadError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == ext))
         .collect();
@@ -420,11 +397,21 @@ fn files_with_extension(dir: &Path, ext: &str) -> Result<Vec<PathBuf>, LoadError
     Ok(files)
 }
 
-fn io(path: &Path, e: std::io::Error) -> LoadError {
-    LoadError::Io {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    }
+/// Why a K-quant tensor's bytes cannot become a matrix; the loader reports it as a
+/// [`LoadError::Tensor`] naming the file and tensor.
+#[derive(Debug, thiserror::Error)]
+enum KQuantError {
+    #[error("{format} rows must be whole 256-value super-blocks, got {cols} columns")]
+    PartialSuperBlock { format: &'static str, cols: usize },
+    #[error("{got} bytes for {rows}x{cols} {format}")]
+    Size {
+        format: &'static str,
+        rows: usize,
+        cols: usize,
+        got: usize,
+    },
+    #[error(transparent)]
+    Matrix(#[from] MatrixError),
 }
 
 /// A K-quant matrix as the kernels run it: each row decoded and re-quantised to Q8_0 (finer
@@ -435,19 +422,18 @@ fn k_quant_matrix(
     cols: usize,
     src: &[u8],
     dequantize: bool,
-) -> Result<Matrix, String> {
-    let row = kind.row_bytes(cols).ok_or_else(|| {
-        format!(
-            "{} rows must be whole 256-value super-blocks, got {cols} columns",
-            kind.name()
-        )
+) -> Result<Matrix, KQuantError> {
+    let row = kind.row_bytes(cols).ok_or(KQuantError::PartialSuperBlock {
+        format: kind.name(),
+        cols,
     })?;
     if src.len() != row * rows {
-        return Err(format!(
-            "{} bytes for {rows}x{cols} {}",
-            src.len(),
-            kind.name()
-        ));
+        return Err(KQuantError::Size {
+            format: kind.name(),
+            rows,
+            cols,
+            got: src.len(),
+        });
     }
     let mut values = vec![0f32; cols];
     if dequantize {
@@ -464,7 +450,14 @@ fn k_quant_matrix(
         q8.extend(kernels::quant::quantize_row(Format::Q8_0, &values));
     }
     let len = q8.len();
-    Matrix::from_bytes(Format::Q8_0, rows, cols, Arc::new(q8), 0, len).map_err(|e| e.to_string())
+    Ok(Matrix::from_bytes(
+        Format::Q8_0,
+        rows,
+        cols,
+        Arc::new(q8),
+        0,
+        len,
+    )?)
 }
 
 /// Maps the model file read-only.
@@ -526,7 +519,7 @@ impl GgufSource<'_> {
             let at = t.offset as usize;
             let src = &(*self.bytes).as_ref()[at..at + len];
             return k_quant_matrix(kind, rows, cols, src, self.opts.dequantize)
-                .map_err(|what| self.err(name, what));
+                .map_err(|e| self.err(name, e.to_string()));
         }
         let format = match t.ggml_type {
             ggml_type::F32 => Format::F32,
@@ -587,7 +580,9 @@ mod tests {
         for (g, e) in got.iter().zip(&exact) {
             assert!((g - e).abs() <= amax / 127.0, "{g} vs {e}");
         }
-        let err = k_quant_matrix(KQuant::Q4K, 1, 128, &src[..144], false).unwrap_err();
+        let err = k_quant_matrix(KQuant::Q4K, 1, 128, &src[..144], false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("256-value super-blocks"), "{err}");
     }
 }

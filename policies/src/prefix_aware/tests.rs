@@ -1,0 +1,410 @@
+use super::*;
+
+fn policy() -> PrefixAware {
+    PrefixAware::new(PrefixAwareConfig::default())
+}
+
+fn tokens_policy() -> PrefixAware {
+    PrefixAware::new(PrefixAwareConfig {
+        cost: CostModel::Tokens,
+        ..PrefixAwareConfig::default()
+    })
+}
+
+/// A fleet with the given running streams and queued prefill tokens per replica, all with
+/// the generic speed (8k tokens/s, 20 ms, 2,048-token chunks) and a 20 ms decode step.
+fn timed_fleet(running: &[u32], queued: &[u64]) -> ReplicaSet {
+    let mut set = fleet(running);
+    for (r, &q) in set.replicas.iter_mut().zip(queued) {
+        r.speed.queued_prefill_tokens = q;
+        r.speed.decode_step_s = Some(0.02);
+    }
+    set
+}
+
+/// `timed_fleet` with nothing queued and each replica's streams seeing `steps` (s).
+fn stepped_fleet(running: &[u32], steps: &[f64]) -> ReplicaSet {
+    let mut set = timed_fleet(running, &vec![0; running.len()]);
+    for (r, &step) in set.replicas.iter_mut().zip(steps) {
+        r.speed.current_step_s = Some(step);
+    }
+    set
+}
+
+fn long_request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteRequest<'a> {
+    RouteRequest {
+        prompt_tokens: hashes.len() * 16 + 40,
+        ..request(hashes, matched)
+    }
+}
+
+#[test]
+fn the_holder_wins_while_its_queue_is_shorter_than_a_cold_prefill() {
+    // 4,000 cached tokens at replica 0; its queue of 1,000 tokens is cheaper than
+    // prefilling all 4,040 anywhere else.
+    let hashes = [7u64; 250];
+    let d = policy()
+        .route(
+            &long_request(&hashes, &[250, 0, 0]),
+            &timed_fleet(&[2, 0, 0], &[1000, 0, 0]),
+        )
+        .unwrap();
+    assert_eq!(d.replica, 0);
+    assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 250 });
+    let e = d.scores[0].estimate.unwrap();
+    // 20 ms + 1,040 tokens / 8k/s + 1 step × 20 ms decode.
+    assert!(
+        (e.ttft_s - (0.02 + 1040.0 / 8000.0 + 0.02)).abs() < 1e-9,
+        "{e:?}"
+    );
+}
+
+#[test]
+fn offloaded_blocks_cost_a_fraction_of_a_prefill() {
+    // Replica 0 holds 20 blocks on the GPU and the next 160 in CPU memory; replica 1 holds
+    // 60 on the GPU. Loading 160 blocks costs a quarter of prefilling them: 0 is cheaper
+    // (1,000 token-equivalents against 2,280), by more than the tie margin.
+    let hashes = [7u64; 200];
+    let set = timed_fleet(&[0, 0], &[0, 0]);
+    let base = long_request(&hashes, &[20, 60]);
+    let with_tier = RouteRequest {
+        offloaded_blocks: &[160, 0],
+        ..base
+    };
+    let d = policy().route(&with_tier, &set).unwrap();
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    // Without the tier, replica 1's longer GPU run wins.
+    assert_eq!(policy().route(&base, &set).unwrap().replica, 1);
+    // A GPU hit is still cheaper than the same blocks offloaded.
+    let gpu = long_request(&hashes, &[200, 20]);
+    let offl = RouteRequest {
+        offloaded_blocks: &[0, 180],
+        ..gpu
+    };
+    assert_eq!(policy().route(&offl, &set).unwrap().replica, 0);
+}
+
+#[test]
+fn a_hot_prefix_spreads_once_its_holder_is_slower_than_a_cold_prefill() {
+    // The holder has 8,000 tokens of prefill queued (≈ 1 s), more than a cold 4,040-token
+    // prefill elsewhere (≈ 0.5 s): the request goes elsewhere and says why.
+    let hashes = [7u64; 250];
+    let d = policy()
+        .route(
+            &long_request(&hashes, &[250, 0, 0]),
+            &timed_fleet(&[4, 1, 3], &[8000, 0, 0]),
+        )
+        .unwrap();
+    assert_eq!(d.replica, 1, "{:?}", d.scores);
+    match d.reason {
+        DecisionReason::Spread {
+            holder: 0,
+            holder_blocks: 250,
+            holder_ttft_s,
+            chosen_ttft_s,
+            holder_itl: None,
+        } => assert!(holder_ttft_s > chosen_ttft_s),
+        other => panic!("{other:?}"),
+    }
+    // Once replica 1 holds it too, requests go to whichever holder is quicker.
+    let d = policy()
+        .route(
+            &long_request(&hashes, &[250, 250, 0]),
+            &timed_fleet(&[4, 1, 3], &[8000, 500, 0]),
+        )
+        .unwrap();
+    assert_eq!(d.replica, 1);
+    assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 250 });
+}
+
+#[test]
+fn a_holder_that_would_break_the_inter_token_promise_is_passed_over() {
+    // Replica 0 holds the prompt and is quickest to a first token, but its streams see
+    // a 140 ms decode step: over 0.6 x a 150 ms promise (90 ms; the fleet's median step,
+    // 60 ms, x 1.1 is less). The request spreads to a replica that keeps it, and explain
+    // says why.
+    let hashes = [7u64; 250];
+    let mut set = stepped_fleet(&[90, 20, 30], &[0.140, 0.060, 0.055]);
+    let req = RouteRequest {
+        itl_target_s: Some(0.150),
+        ..long_request(&hashes, &[250, 0, 0])
+    };
+    let checked = policy();
+    let unchecked = PrefixAware::new(PrefixAwareConfig {
+        itl_headroom: 0.0,
+        ..PrefixAwareConfig::default()
+    });
+    // With the check off: the holder.
+    assert_eq!(unchecked.route(&req, &set).unwrap().replica, 0);
+    let d = checked.route(&req, &set).unwrap();
+    assert_ne!(d.replica, 0, "{:?}", d.scores);
+    let over = d.scores[0].itl_over.expect("replica 0 is over the limit");
+    assert!((over.limit_s - 0.090).abs() < 1e-9, "{over:?}");
+    match &d.reason {
+        DecisionReason::Spread {
+            holder: 0,
+            holder_itl: Some(o),
+            holder_ttft_s,
+            chosen_ttft_s,
+            ..
+        } => {
+            assert_eq!(*o, over);
+            // It was not the first token that sent it away.
+            assert!(holder_ttft_s < chosen_ttft_s);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(d.reason.to_string().contains("140 ms"), "{}", d.reason);
+    // Without a promise, or when every replica is over it, the cost alone decides: the
+    // holder.
+    let no_promise = long_request(&hashes, &[250, 0, 0]);
+    assert_eq!(checked.route(&no_promise, &set).unwrap().replica, 0);
+    for r in &mut set.replicas {
+        r.speed.current_step_s = Some(0.2);
+    }
+    assert_eq!(checked.route(&req, &set).unwrap().replica, 0);
+    // A replica with nothing running breaks no stream's promise, whatever it last saw.
+    let mut idle = timed_fleet(&[0, 20, 30], &[0, 0, 0]);
+    idle.replicas[0].speed.current_step_s = Some(0.2);
+    assert_eq!(checked.route(&req, &idle).unwrap().replica, 0);
+    // The tokens cost keeps its old behaviour.
+    set.replicas[1].speed.current_step_s = Some(0.05);
+    assert!(PrefixAware::new(PrefixAwareConfig {
+        cost: CostModel::Tokens,
+        ..PrefixAwareConfig::default()
+    })
+    .route(&req, &set)
+    .unwrap()
+    .scores[0]
+        .itl_over
+        .is_none());
+}
+
+#[test]
+fn a_holder_of_a_conversation_is_not_passed_over_for_the_inter_token_check() {
+    // Replica 0 holds 250 blocks of the prompt and its streams are over the limit, as in
+    // the test above. Whether it is passed over depends on who else reuses that prefix.
+    let hashes = [7u64; 250];
+    let mut set = stepped_fleet(&[90, 20, 30], &[0.140, 0.060, 0.055]);
+    let route = |set: &ReplicaSet, reuse: &[f64]| {
+        let req = RouteRequest {
+            itl_target_s: Some(0.150),
+            prefix_reuse: reuse,
+            ..long_request(&hashes, &[250, 0, 0])
+        };
+        policy().route(&req, set).unwrap()
+    };
+    // A system prompt 30 recent requests reused: a second holder amortises its prefill.
+    let shared = route(&set, &[30.0, 0.0, 0.0]);
+    assert_ne!(shared.replica, 0);
+    assert_eq!(shared.scores[0].itl_over.and_then(|o| o.reuse), Some(30.0));
+    let why = shared.reason.to_string();
+    assert!(why.contains("30.0 recent requests reused"), "{why}");
+    // A conversation's own history (reused by no one else): its holder keeps it.
+    let own = route(&set, &[0.4, 0.0, 0.0]);
+    assert_eq!(own.replica, 0, "{:?}", own.scores);
+    assert_eq!(own.scores[0].itl_over, None);
+    // A replica holding nothing gives nothing up: the check applies to it whatever the
+    // reuse (the fleet's median step is now 140 ms, so the limit 154 ms).
+    set.replicas[1].speed.current_step_s = Some(0.2);
+    let d = route(&set, &[0.4, 0.0, 0.0]);
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    let over = d.scores[1].itl_over.expect("replica 1 is over the limit");
+    assert_eq!(over.reuse, None);
+    assert!((over.limit_s - 0.154).abs() < 1e-9, "{over:?}");
+}
+
+#[test]
+fn a_holder_as_slow_as_the_fleet_is_not_passed_over() {
+    // Every replica is busy at 85-95 ms a step (an L4 at load): the holder is over 0.6 x
+    // the 150 ms promise, but not over 1.1 x the fleet's median step (97 ms). A cold
+    // prefill elsewhere would buy no inter-token time: the holder keeps the prefix.
+    let hashes = [7u64; 250];
+    let set = stepped_fleet(&[40, 30, 30], &[0.095, 0.088, 0.085]);
+    let req = RouteRequest {
+        itl_target_s: Some(0.150),
+        prefix_reuse: &[30.0, 0.0, 0.0],
+        ..long_request(&hashes, &[250, 0, 0])
+    };
+    let d = policy().route(&req, &set).unwrap();
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    assert!(d.scores.iter().all(|s| s.itl_over.is_none()));
+    // With the fleet ignored (0), the promise alone sets the limit: 90 ms.
+    let promise_only = PrefixAware::new(PrefixAwareConfig {
+        itl_fleet_ratio: 0.0,
+        ..PrefixAwareConfig::default()
+    });
+    let d = promise_only.route(&req, &set).unwrap();
+    assert_ne!(d.replica, 0, "{:?}", d.scores);
+    assert!((d.scores[0].itl_over.unwrap().limit_s - 0.090).abs() < 1e-9);
+}
+
+#[test]
+fn one_slow_first_request_does_not_make_the_holder_look_slow() {
+    // The holder learnt a 0.3 s fixed overhead from one slow first answer; replica 1 still
+    // has the prior's 20 ms. The holder's cached 1,024 tokens decide, not the intercepts.
+    let hashes = [4u64; 64];
+    let mut set = timed_fleet(&[0, 0], &[0, 0]);
+    set.replicas[0].speed.overhead_s = 0.3;
+    let d = policy()
+        .route(&long_request(&hashes, &[64, 0]), &set)
+        .unwrap();
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 64 });
+    // Its own overhead still shows in its predicted TTFT.
+    assert!(d.scores[0].estimate.unwrap().ttft_s > 0.3);
+}
+
+#[test]
+fn near_ties_go_to_the_longest_cached_prefix() {
+    // Replica 1 holds 2 blocks (32 tokens): 4 ms less prefill than replica 0, which holds
+    // nothing but has 20 tokens less queued. Within the tie window, the cache wins.
+    let hashes = [1u64; 8];
+    let d = policy()
+        .route(&request(&hashes, &[0, 2]), &timed_fleet(&[0, 0], &[0, 64]))
+        .unwrap();
+    assert_eq!(d.replica, 1);
+}
+
+#[test]
+fn a_cold_prefill_avoids_the_replica_with_more_streams_to_stall() {
+    // Same queue, same (no) cache: the prefill's stall costs more where more streams run.
+    let hashes = [3u64; 200];
+    let set = timed_fleet(&[40, 2], &[0, 0]);
+    let d = policy().route(&request(&hashes, &[0, 0]), &set).unwrap();
+    assert_eq!(d.replica, 1);
+    assert_eq!(d.reason, DecisionReason::NoMatch);
+    assert!(d.scores[0].cost > d.scores[1].cost);
+}
+
+#[test]
+fn follows_the_longest_cached_prefix() {
+    let set = fleet(&[1, 1, 1]);
+    let hashes = [1, 2, 3, 4, 5, 6, 7, 8];
+    let d = policy().route(&request(&hashes, &[2, 8, 0]), &set).unwrap();
+    assert_eq!(d.replica, 1);
+    assert_eq!(d.reason, DecisionReason::PrefixMatch { blocks: 8 });
+    assert_eq!(d.matched_blocks, 8);
+    assert_eq!(d.scores.len(), 3);
+}
+
+#[test]
+fn trades_cache_reuse_against_queueing() {
+    // Replica 1 holds 8 blocks (128 tokens) but has 2 more requests queued (512 tokens of
+    // cost at the default load weight): replica 0 is cheaper.
+    let set = fleet(&[0, 2, 0]);
+    let d = tokens_policy()
+        .route(&request(&[1; 8], &[0, 8, 0]), &set)
+        .unwrap();
+    assert_ne!(d.replica, 1);
+    assert_eq!(d.reason, DecisionReason::NoMatch);
+}
+
+#[test]
+fn load_guard_overrides_affinity_on_a_hot_spot() {
+    // Without a load weight, affinity alone would always win.
+    let p = PrefixAware::new(PrefixAwareConfig {
+        cost: CostModel::Tokens,
+        load_weight: 0.0,
+        ..PrefixAwareConfig::default()
+    });
+    let d = p
+        .route(&request(&[1; 64], &[64, 0, 0]), &fleet(&[40, 2, 3]))
+        .unwrap();
+    assert_eq!(d.replica, 1);
+    assert_eq!(
+        d.reason,
+        DecisionReason::LoadGuard {
+            preferred: 0,
+            preferred_blocks: 64
+        }
+    );
+    // Within the thresholds affinity holds.
+    let d = p
+        .route(&request(&[1; 64], &[64, 0, 0]), &fleet(&[10, 2, 3]))
+        .unwrap();
+    assert_eq!(d.replica, 0);
+}
+
+#[test]
+fn under_ttft_the_count_guard_is_off_unless_set() {
+    // The holder runs 40 streams against 2 and 3; its cached 1,024 tokens still make it
+    // the quickest, and with no guard set, seconds decide.
+    let hashes = [1u64; 64];
+    let set = timed_fleet(&[40, 2, 3], &[0, 0, 0]);
+    let d = policy()
+        .route(&long_request(&hashes, &[64, 0, 0]), &set)
+        .unwrap();
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    // An operator who sets a threshold gets the guard back.
+    let guarded = PrefixAware::new(PrefixAwareConfig {
+        balance_abs_threshold: Some(16),
+        ..PrefixAwareConfig::default()
+    });
+    let d = guarded
+        .route(&long_request(&hashes, &[64, 0, 0]), &set)
+        .unwrap();
+    assert_ne!(d.replica, 0);
+    assert!(matches!(
+        d.reason,
+        DecisionReason::LoadGuard { preferred: 0, .. }
+    ));
+}
+
+#[test]
+fn distinct_prefixes_spread_and_repeats_stick_on_an_idle_fleet() {
+    let set = fleet(&[0, 0, 0, 0]);
+    let p = policy();
+    let mut used = std::collections::HashSet::new();
+    for k in 0..40u64 {
+        let h = [k * 31 + 7];
+        let a = p.route(&request(&h, &[0, 0, 0, 0]), &set).unwrap().replica;
+        assert_eq!(
+            p.route(&request(&h, &[0, 0, 0, 0]), &set).unwrap().replica,
+            a
+        );
+        used.insert(a);
+    }
+    assert_eq!(used.len(), 4);
+}
+
+#[test]
+fn learnt_rates_a_little_apart_do_not_pull_every_new_prefix_to_one_replica() {
+    // Each replica learnt a slightly different prefill rate from its own few requests: the
+    // fastest is 2 ms quicker on a short prompt, well inside the tie window. New prefixes
+    // still spread by the hash, as on a fleet with identical fits.
+    let mut set = fleet(&[0, 0, 0, 0]);
+    for (i, r) in set.replicas.iter_mut().enumerate() {
+        r.speed.seconds_per_token = (1.0 + 0.1 * i as f64) / 8_000.0;
+    }
+    let p = policy();
+    let mut used = std::collections::HashSet::new();
+    for k in 0..40u64 {
+        let h = [k * 31 + 7; 4];
+        used.insert(p.route(&request(&h, &[0, 0, 0, 0]), &set).unwrap().replica);
+    }
+    assert_eq!(used.len(), 4, "{used:?}");
+}
+
+#[test]
+fn within_the_window_the_replica_with_fewer_requests_wins() {
+    // Same (no) cache, replica 0 runs 3 streams, replica 1 one: the extra stall is a few
+    // milliseconds, inside the window, and the request count decides.
+    let hashes = [5u64; 4];
+    let set = timed_fleet(&[3, 1], &[0, 0]);
+    let d = policy().route(&request(&hashes, &[0, 0]), &set).unwrap();
+    assert_eq!(d.replica, 1, "{:?}", d.scores);
+}
+
+#[test]
+fn skips_unhealthy_replicas() {
+    let mut set = fleet(&[0, 0]);
+    set.replicas[1].healthy = false;
+    let d = policy().route(&request(&[1, 2], &[0, 2]), &set).unwrap();
+    assert_eq!(d.replica, 0);
+    set.replicas[0].healthy = false;
+    assert_eq!(
+        policy().route(&request(&[1], &[0, 0]), &set),
+        Err(RouteError::NoHealthyReplica)
+    );
+}
