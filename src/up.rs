@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use replica::backend::BackendKind;
+use replica::profiles::ModelProfile;
 
-use crate::{serve_gateway, served_model_name, shutdown_signal};
+use crate::gateway_cmd::serve_gateway;
+use crate::signals::shutdown_signal;
 
 #[derive(Args)]
 pub(crate) struct UpArgs {
@@ -161,7 +163,7 @@ async fn start_replicas(
             .arg("--exit-with-stdin")
             // Only the gateway may reach them: internal endpoints and /v1/* need the fleet token.
             .arg("--restrict-api")
-            .env(gateway::auth::FLEET_TOKEN_ENV, fleet_token)
+            .env(gateway::http::auth::FLEET_TOKEN_ENV, fleet_token)
             .args(&a.replica_args)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -384,4 +386,11 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
         }
     }
     result
+}
+
+/// The name a replica serves for a profile (what clients must send as `model`).
+fn served_model_name(profile: &str) -> String {
+    ModelProfile::resolve(profile)
+        .map(|p| p.name)
+        .unwrap_or_else(|_| profile.to_string())
 }

@@ -9,10 +9,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use config::GatewayConfig;
 use criterion::{criterion_group, criterion_main, Criterion};
+use gateway::fleet::client::http_client;
+use gateway::fleet::registry::Registry;
 use gateway::metrics::GatewayMetrics;
-use gateway::prefix_index::PrefixIndex;
-use gateway::registry::{http_client, Registry};
-use gateway::router::{Caller, Endpoint, PromptLimits, Router};
+use gateway::prefix::index::PrefixIndex;
+use gateway::prefix::view::PrefixView;
+use gateway::request::prepare::Preparer;
+use gateway::request::prepared::{Caller, Endpoint, Prepared, PromptLimits};
 
 const LIMITS: PromptLimits = PromptLimits {
     per_prompt: 131_072,
@@ -39,14 +42,21 @@ fn conversation(tok: &TextTokenizer) -> (Bytes, usize) {
     (Bytes::from(serde_json::to_vec(&body).unwrap()), n)
 }
 
-fn router(tok: Arc<TextTokenizer>) -> Router {
+/// The prepare stage and what placement reads: 8 healthy replicas, an empty prefix index.
+struct Gateway {
+    preparer: Preparer,
+    registry: Arc<Registry>,
+    prefix: PrefixView,
+}
+
+fn router(tok: Arc<TextTokenizer>) -> Gateway {
     let names: Vec<String> = (0..8).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect();
     let cfg = GatewayConfig::with_replicas(names);
     let index = Arc::new(PrefixIndex::new(100_000));
     let metrics = Arc::new(GatewayMetrics::new());
     let registry = Arc::new(Registry::new(
         &cfg,
-        index,
+        index.clone(),
         http_client(Duration::from_millis(100)),
         None,
         metrics.clone(),
@@ -54,7 +64,11 @@ fn router(tok: Arc<TextTokenizer>) -> Router {
     for i in 0..8 {
         registry.set_healthy(i, true);
     }
-    Router::new(tok, "Qwen3-8B".into(), 16, registry, metrics)
+    Gateway {
+        preparer: Preparer::new(tok, "Qwen3-8B".into(), 16, metrics),
+        registry,
+        prefix: PrefixView::new(index, 16),
+    }
 }
 
 fn bench(c: &mut Criterion) {
@@ -71,15 +85,15 @@ fn bench(c: &mut Criterion) {
         .unwrap();
     let _guard = rt.enter();
     let policy = policies::build(&config::PolicyConfig::default());
-    let decide = |r: &Router, p: &gateway::router::Prepared| {
+    let decide = |r: &Gateway, p: &Prepared| {
         // What placement does for a dispatch with admission off: one fleet snapshot, the
         // index's match counts, the policy.
-        let matched = r.matched(p);
+        let matched = r.prefix.matched(p.blocks(), &r.registry.index_scope());
         let set = r.registry.snapshot();
         let req = policies::RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
-            block_size: r.block_size,
+            block_size: r.prefix.block_size,
             matched_blocks: &matched,
             offloaded_blocks: &[],
             session_id: p.session_id.as_deref(),
@@ -96,6 +110,7 @@ fn bench(c: &mut Criterion) {
             || router(tok.clone()),
             |r| {
                 let p = r
+                    .preparer
                     .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
                     .unwrap();
                 decide(&r, &p)
@@ -105,14 +120,16 @@ fn bench(c: &mut Criterion) {
     });
     let warm = router(tok.clone());
     let p = warm
+        .preparer
         .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
         .unwrap();
     let d = decide(&warm, &p);
-    warm.speculate(d.replica, &p);
-    warm.commit(policy.name(), &p, &d);
+    warm.prefix
+        .sent(d.replica, p.blocks(), None, warm.registry.now_s());
     g.bench_function("warm_segment_cache", |b| {
         b.iter(|| {
             let p = warm
+                .preparer
                 .prepare(Endpoint::ChatCompletions, &body, &Caller::default(), LIMITS)
                 .unwrap();
             decide(&warm, &p)

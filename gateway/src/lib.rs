@@ -1,39 +1,32 @@
-//! The OpenAI-compatible front door, on pingora: reads the whole body, renders and tokenises
-//! the prompt with the protocol crate, hashes its blocks, asks a routing policy (fed by the
-//! prefix index and the replicas' load) for a replica among those admission allows, and
-//! proxies the answer back, streaming, accounting goodput per route.
+//! The OpenAI-compatible front door, on pingora. The tree reads as the journey of a request:
+//!
+//! - [`http`] — the pingora face: connections, the endpoint table, auth, bodies, replies;
+//! - [`request`] — the request path as a pipeline of stages (prepare, classify, admit, place,
+//!   forward, relay), one file each, plus `explain`, its dry run;
+//! - [`routes`] — the policy's routes at run time: the hot-reloaded policy, each route's queue,
+//!   in-flight counts and goodput, and the admission rule;
+//! - [`fleet`] — the replicas: registry, health, probes, learnt latency, discovery, the client;
+//! - [`prefix`] — which replica holds which prefix: the index, its lookups, prefix reuse, the
+//!   engines' KV events;
+//! - [`state`] — the composition root that owns the parts and hands each stage its share;
+//!   [`server`] wires them and serves; [`admin`] is the admin API; [`membership`] changes the
+//!   fleet at run time.
+//!
+//! `docs/DESIGN.md` opens with a map from each request-path decision to the file that makes it.
 #![forbid(unsafe_code)]
 
 pub mod access_log;
-pub mod admission;
-pub mod admission_queue;
-pub mod auth;
-pub mod body;
+pub mod admin;
 pub mod clock;
-pub mod conn;
-pub mod discovery;
-pub mod dispatch;
-pub mod engine_events;
-pub mod engine_metrics;
-pub mod explain;
 pub mod fleet;
-pub mod forward;
-pub mod goodput;
-pub mod latency_model;
+pub mod http;
 pub mod lifecycle;
+pub mod membership;
 pub mod metrics;
-pub mod placement;
-pub mod policy_store;
-pub mod prefix_index;
-pub mod prefix_reuse;
-pub mod proxy;
-pub mod registry;
-pub mod relay;
-pub mod route_runtime;
-pub mod router;
+pub mod prefix;
+pub mod request;
+pub mod routes;
 pub mod server;
 pub mod state;
-pub mod write_buffer;
-pub mod zmq_events;
 
 pub use server::{build_gateway, GatewayServer};

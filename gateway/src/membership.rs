@@ -1,34 +1,76 @@
 //! The fleet at run time: the listed replicas change from the gateway file (reloaded on change,
 //! SIGHUP or `POST /admin/replicas/reload`) or from `PUT /admin/replicas`, and the replicas
-//! found through `[discovery] dns` change with their DNS records (`discovery.rs`). All go
-//! through [`GatewayState::apply_replicas`] — replicas still present keep their state, new ones
+//! found through `[discovery] dns` change with their DNS records (`fleet/discovery.rs`). All go
+//! through [`Membership::apply_replicas`] — replicas still present keep their state, new ones
 //! join, removed ones retire (`Registry::reconcile`), and the policy's pools are re-mapped, or
-//! the change is refused whole.
+//! the change is refused whole. It joins the fleet and the policies, so it sits above both.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::discovery::resolve;
-use crate::state::GatewayState;
+use config::ConfigError;
 
-impl GatewayState {
+use crate::fleet::discovery::{resolve, Discovery};
+use crate::fleet::registry::Registry;
+use crate::metrics::GatewayMetrics;
+use crate::routes::store::PolicyStore;
+
+/// The gateway file the fleet was started from, and the hash of its text last seen.
+pub type GatewayFile = (PathBuf, parking_lot::Mutex<Option<u64>>);
+
+/// Why a new replica list was refused (the list in force stays).
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    #[error("the gateway was not started from a file; nothing to reload")]
+    NoFile,
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    File { path: String, source: ConfigError },
+    #[error("{0}")]
+    List(ConfigError),
+    #[error("the active policy does not fit the new replica list: {0}")]
+    Policy(ConfigError),
+    #[error("{0}")]
+    Body(String),
+}
+
+/// What changing the fleet touches: the registry, discovery, the policies' pools.
+pub struct Membership<'a> {
+    pub fleet: &'a Arc<Registry>,
+    pub discovery: &'a Discovery,
+    pub policies: &'a PolicyStore,
+    pub gateway_file: Option<&'a GatewayFile>,
+    pub metrics: &'a GatewayMetrics,
+}
+
+impl Membership<'_> {
     /// Re-reads the gateway file and applies its replica list and discovery names (the only
     /// parts that reload; other changes are named in the log as needing a restart). A list the
     /// active policy cannot take (a pool names a replica it drops) is refused whole.
-    pub fn reload_replicas(&self, force: bool) -> Result<bool, String> {
-        let Some((path, seen)) = &self.gateway_file else {
-            return Err("the gateway was not started from a file; nothing to reload".into());
+    pub fn reload_replicas(&self, force: bool) -> Result<bool, MembershipError> {
+        let Some((path, seen)) = self.gateway_file else {
+            return Err(MembershipError::NoFile);
         };
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(|source| MembershipError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
         let h = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
         if !force && *seen.lock() == Some(h) {
             return Ok(false);
         }
         *seen.lock() = Some(h);
         let result = config::GatewayConfig::from_toml(&text)
-            .map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(|source| MembershipError::File {
+                path: path.display().to_string(),
+                source,
+            })
             .and_then(|cfg| {
-                self.router.registry.set_engines(&cfg.engines);
+                self.fleet.set_engines(&cfg.engines);
                 if self.discovery.names() != cfg.discovery.dns {
                     self.discovery.set_names(cfg.discovery.dns.clone());
                 }
@@ -43,7 +85,7 @@ impl GatewayState {
     /// Makes `listed` the static part of the fleet (the file's or the admin API's list), joined
     /// to what discovery finds. Refused whole, keeping the list in force, when the policy
     /// cannot take the fleet it makes.
-    pub fn set_listed(&self, listed: Vec<String>) -> Result<bool, String> {
+    pub fn set_listed(&self, listed: Vec<String>) -> Result<bool, MembershipError> {
         let fleet = self.discovery.fleet_with(&listed);
         let changed = self.apply_replicas(&fleet)?;
         self.discovery.set_listed(listed);
@@ -53,15 +95,15 @@ impl GatewayState {
     /// Makes `list` (normalised and checked) the fleet: listed replicas keep their state, new
     /// ones join, missing ones retire (`Registry::reconcile`). Refused whole when it is empty or
     /// the active policy's pools do not fit it. `Ok(false)`: it was the list in force already.
-    pub fn apply_replicas(&self, list: &[String]) -> Result<bool, String> {
-        config::gateway::replica_list(list).map_err(|e| e.to_string())?;
+    pub fn apply_replicas(&self, list: &[String]) -> Result<bool, MembershipError> {
+        config::gateway::replica_list(list).map_err(MembershipError::List)?;
         if self.policies.replica_names() == list {
             return Ok(false);
         }
         self.policies
             .check_replicas(list)
-            .map_err(|e| format!("the active policy does not fit the new replica list: {e}"))?;
-        let slots = self.router.registry.reconcile(list)?;
+            .map_err(MembershipError::Policy)?;
+        let slots = self.fleet.reconcile(list);
         self.policies
             .set_replicas(slots.into_iter().zip(list.iter().cloned()).collect());
         tracing::info!(replicas = list.len(), "replica list changed");
@@ -84,32 +126,11 @@ impl GatewayState {
             }
         }
     }
-}
 
-impl GatewayState {
     /// Sets `kvgate_gateway_discovered_replicas` for every discovery name.
     pub fn publish_discovered(&self) {
         for (name, n) in self.discovery.counts() {
-            self.router.metrics.discovered(&name).set(n as f64);
+            self.metrics.discovered(&name).set(n as f64);
         }
     }
-}
-
-/// Re-resolves the discovery names every `discovery.every` for as long as the gateway lives.
-pub fn spawn_discovery(state: &Arc<GatewayState>) {
-    let weak = Arc::downgrade(state);
-    state.publish_discovered();
-    let every = state.discovery.every;
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let Some(s) = weak.upgrade() else { return };
-            if !s.discovery.names().is_empty() {
-                s.rediscover().await;
-            }
-        }
-    });
 }

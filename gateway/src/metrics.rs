@@ -1,6 +1,6 @@
 //! The gateway's Prometheus metrics (`kvgate_gateway_*`): requests by endpoint and status, the
 //! timers as the gateway sees them (queue, TTFT, inter-token and end-to-end per policy route —
-//! see `goodput.rs` — plus tokenise and routing decision), policy reloads,
+//! see `routes/goodput.rs` — plus tokenise and routing decision), policy reloads,
 //! decisions by policy and reason, the *predicted* prefix hit ratio per replica (prompt tokens
 //! routed and tokens the index expected cached there, beside the replicas' actual counters),
 //! replica health and the prefix index's size. Like the replica, the gateway owns its recorder.
@@ -365,6 +365,12 @@ impl GatewayMetrics {
                 ),
                 &META,
             )
+            .increment(1);
+    }
+
+    /// Counts a request refused for its credentials on `port` (`api` or `admin`).
+    pub fn auth_failed(&self, port: &'static str) {
+        self.counter("kvgate_gateway_auth_failures_total", &[("port", port)])
             .increment(1);
     }
 

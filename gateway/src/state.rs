@@ -1,33 +1,38 @@
-//! What the gateway's request path shares: the router, the upstream client, the hot-reloaded
-//! policies and keys, lifecycle, access log and limits ([`GatewayState`]). Its own module so
-//! that the HTTP layer (`proxy`) and admission (`dispatch`) both depend on it, not on each
-//! other; their methods on it live with them.
+//! The composition root of the request path: [`GatewayState`] owns every part the gateway's
+//! requests share — the prepare stage's tokenisers, the prefix index's view, the fleet, the
+//! hot-reloaded policies and keys, lifecycle, access log and limits — and hands each stage
+//! only its share ([`GatewayState::placer`], [`GatewayState::admitter`],
+//! [`GatewayState::forwarder`], [`GatewayState::membership`]). No stage holds the whole; this
+//! is the only `impl GatewayState`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
-
 use crate::access_log::AccessLog;
-use crate::auth::ApiKeyStore;
+use crate::fleet::discovery::Discovery;
+use crate::fleet::registry::Registry;
+use crate::http::auth::ApiKeyStore;
 use crate::lifecycle::Lifecycle;
-use crate::policy_store::PolicyStore;
-use crate::registry::HttpClient;
-use crate::router::Router;
+use crate::membership::{GatewayFile, Membership};
+use crate::metrics::GatewayMetrics;
+use crate::prefix::view::PrefixView;
+use crate::request::admit::Admitter;
+use crate::request::forward::{Forwarder, UpstreamLimits};
+use crate::request::place::Placer;
+use crate::request::prepare::Tokenizers;
+use crate::routes::store::PolicyStore;
 
 /// The context limit used until a replica reports its own.
 pub const FALLBACK_MODEL_LEN: usize = 131_072;
 
 pub struct GatewayState {
-    pub router: Router,
-    pub client: HttpClient,
-    pub max_body_bytes: usize,
-    /// From the end of the request header to the end of its body.
-    pub body_timeout: Duration,
-    pub retries: u32,
-    pub retry_backoff: Duration,
-    pub first_byte_timeout: Duration,
-    pub session_header: String,
+    /// The prepare stage: parse, tokenise, hash, on bounded tokeniser slots.
+    pub tokenizers: Tokenizers,
+    /// The request path's questions to the prefix index.
+    pub prefix: PrefixView,
+    /// The replicas.
+    pub fleet: Arc<Registry>,
+    pub metrics: Arc<GatewayMetrics>,
     /// Routes, SLOs and admission thresholds (hot-reloaded).
     pub policies: PolicyStore,
     /// Client API keys (hot-reloaded).
@@ -36,28 +41,68 @@ pub struct GatewayState {
     pub admin_token: Option<String>,
     pub lifecycle: Arc<Lifecycle>,
     pub access_log: AccessLog,
-    /// Prompts being tokenised at once.
-    pub tokenize_slots: Arc<Semaphore>,
-    pub tokenize_wait: Duration,
+    pub max_body_bytes: usize,
+    /// From the end of the request header to the end of its body.
+    pub body_timeout: Duration,
+    pub upstream: UpstreamLimits,
+    pub session_header: String,
     pub max_request_prompt_tokens: usize,
     /// `model.max_model_len` from the gateway file.
     pub model_len_override: Option<usize>,
-    /// Serialises admission decisions with their reservations (`dispatch.rs`).
+    /// Serialises admission decisions with their reservations (`request/admit.rs`).
     pub dispatch_lock: parking_lot::Mutex<()>,
     /// `GET /metrics` is also answered on the API port.
     pub metrics_on_api_port: bool,
-    /// Where the fleet comes from: the listed replicas and the DNS names (`fleet.rs`).
-    pub discovery: crate::discovery::Discovery,
+    /// Where the fleet comes from: the listed replicas and the DNS names (`membership.rs`).
+    pub discovery: Discovery,
     /// The gateway file and the hash of its text last seen, for replica-list reloads.
-    pub gateway_file: Option<(std::path::PathBuf, parking_lot::Mutex<Option<u64>>)>,
+    pub gateway_file: Option<GatewayFile>,
 }
 
 impl GatewayState {
-    /// Counts a request refused for its credentials on `port` (`api` or `admin`).
-    pub(crate) fn auth_failed(&self, port: &'static str) {
-        self.router
-            .metrics
-            .counter("kvgate_gateway_auth_failures_total", &[("port", port)])
-            .increment(1);
+    /// Longest prompt the model takes: the gateway file's setting, else what the replicas
+    /// reported, else [`FALLBACK_MODEL_LEN`].
+    pub fn model_limit(&self) -> usize {
+        self.model_len_override
+            .or_else(|| self.fleet.max_model_len().map(|n| n as usize))
+            .unwrap_or(FALLBACK_MODEL_LEN)
+    }
+
+    /// Placement's share: the fleet and the prefix index.
+    pub fn placer(&self) -> Placer<'_> {
+        Placer {
+            fleet: &self.fleet,
+            prefix: &self.prefix,
+        }
+    }
+
+    /// The admit stage's share: placement and the dispatch lock.
+    pub fn admitter(&self) -> Admitter<'_> {
+        Admitter {
+            placer: self.placer(),
+            lock: &self.dispatch_lock,
+        }
+    }
+
+    /// The forward stage's share: the fleet, the prefix index, metrics, the drain, the limits.
+    pub fn forwarder(&self) -> Forwarder<'_> {
+        Forwarder {
+            fleet: &self.fleet,
+            prefix: &self.prefix,
+            metrics: &self.metrics,
+            lifecycle: &self.lifecycle,
+            limits: self.upstream,
+        }
+    }
+
+    /// Fleet membership's share: the fleet, discovery, the policies' pools, the gateway file.
+    pub fn membership(&self) -> Membership<'_> {
+        Membership {
+            fleet: &self.fleet,
+            discovery: &self.discovery,
+            policies: &self.policies,
+            gateway_file: self.gateway_file.as_ref(),
+            metrics: &self.metrics,
+        }
     }
 }

@@ -9,16 +9,18 @@
 
 use std::time::Duration;
 
-use gateway::admission::{admissible, ReplicaPressure, Slo};
-use gateway::admission_queue::AdmissionQueue;
 use gateway::clock::{Clock, ManualClock};
-use gateway::latency_model::LatencyModel;
+use gateway::fleet::latency_model::LatencyModel;
+use gateway::fleet::pressure::ReplicaPressure;
+use gateway::routes::admissible::admissible;
+use gateway::routes::queue::AdmissionQueue;
+use protocol::slo::Slo;
 
 const PREFILL_RATE: f64 = 3_333.0;
 const OVERHEAD: f64 = 0.02;
 const PROMPT: u64 = 1_500;
 const DECODE: f64 = 0.24;
-/// How often a waiting request re-checks (dispatch.rs's RECHECK).
+/// How often a waiting request re-checks (`request/admit.rs`'s RECHECK).
 const TICK: Duration = Duration::from_millis(20);
 
 /// A replica: prefills one request at a time, first come first served, then decodes it.
@@ -154,7 +156,7 @@ fn run(admission: bool) -> Outcome {
                         waiting.pop_front();
                         let rate = Some(2.0 * PREFILL_RATE);
                         out.shed.push(
-                            gateway::admission_queue::Shed::DeadlineGone {
+                            gateway::routes::queue::Shed::DeadlineGone {
                                 retry_after: queue.retry_after(rate),
                             }
                             .retry_after_secs(),

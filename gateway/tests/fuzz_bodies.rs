@@ -4,13 +4,10 @@
 //! names a case that reproduces.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use config::GatewayConfig;
 use gateway::metrics::GatewayMetrics;
-use gateway::prefix_index::PrefixIndex;
-use gateway::registry::{http_client, Registry};
-use gateway::router::{Caller, Endpoint, PromptLimits, Router};
+use gateway::request::prepare::Preparer;
+use gateway::request::prepared::{Caller, Endpoint, PromptLimits};
 use protocol::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 
@@ -187,7 +184,7 @@ fn body(r: &mut Rng, chat: bool) -> Vec<u8> {
     bytes
 }
 
-fn router() -> Router {
+fn router() -> Preparer {
     let dir = protocol::tokenizer::default_tokenizer_dir()
         .filter(|d| d.join("tokenizer.json").exists())
         .unwrap_or_else(|| {
@@ -195,17 +192,8 @@ fn router() -> Router {
         });
     let tok =
         Arc::new(TextTokenizer::from_dir(&dir).expect("models/qwen3 (scripts/fetch-models.sh)"));
-    let cfg = GatewayConfig::with_replicas(vec!["127.0.0.1:1".into()]);
-    let index = Arc::new(PrefixIndex::new(1000));
     let metrics = Arc::new(GatewayMetrics::new());
-    let registry = Arc::new(Registry::new(
-        &cfg,
-        index,
-        http_client(Duration::from_millis(100)),
-        None,
-        metrics.clone(),
-    ));
-    Router::new(tok, "Qwen3-8B".into(), 16, registry, metrics)
+    Preparer::new(tok, "Qwen3-8B".into(), 16, metrics)
 }
 
 #[test]

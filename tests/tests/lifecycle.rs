@@ -115,7 +115,7 @@ async fn a_request_waiting_on_a_replica_that_gets_ejected_is_retried_elsewhere()
     .await;
     // The stalled one answered its first health check before stalling? No: it hangs from the
     // start, so it is never admitted — admit it by hand to model "stalled after admission".
-    gw.state.router.registry.set_healthy(1, true);
+    gw.state.fleet.set_healthy(1, true);
     let started = Instant::now();
     let sends = (0..2).map(|_| gw.post("/v1/chat/completions", stream_body(5)));
     for r in futures::future::join_all(sends).await {

@@ -1,7 +1,7 @@
 //! Fleet membership from DNS (`[discovery] dns = ["name:port"]`): every address a name
 //! resolves to is one replica `ip:port`, joined to the replicas listed by the file or the admin
 //! API. The names are re-resolved on a timer; when what they resolve to changes, the fleet is
-//! re-applied (`fleet.rs`). A failed lookup keeps what the name last resolved to: the health
+//! re-applied (`membership.rs`). A failed lookup keeps what the name last resolved to: the health
 //! checks eject replicas that are gone, and a DNS outage never empties the fleet.
 
 use std::collections::BTreeMap;

@@ -7,8 +7,9 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use protocol::kv_events::FrameDecoder;
 
-use super::{Registry, ReplicaHandle};
-use crate::zmq_events::EventSink;
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::ReplicaHandle;
+use crate::prefix::zmq::EventSink;
 
 impl EventSink for ReplicaHandle {
     fn set_live(&self, live: bool) {
@@ -29,17 +30,38 @@ impl EventSink for ReplicaHandle {
     }
 }
 
+/// Why a kvgate replica's event stream stopped (the follower reconnects and starts over).
+#[derive(Debug, thiserror::Error)]
+pub enum EventStreamError {
+    #[error("no address yet")]
+    NoAddress,
+    #[error("{0}")]
+    Transport(String),
+    #[error("status {0}")]
+    Status(http::StatusCode),
+    #[error("{0}")]
+    Frame(String),
+    #[error("sequence gap: expected {want}, got {got}")]
+    Gap { want: u64, got: u64 },
+    #[error("stream ended")]
+    Ended,
+}
+
 impl Registry {
     /// Follows `r`'s KV event stream until it ends or shows a gap; the index holds exactly what
     /// the replica reported while this runs.
-    pub(super) async fn follow_events(&self, r: &ReplicaHandle) -> Result<(), String> {
-        let addr = r.addr().ok_or("no address yet")?;
-        let req = self.request(
+    pub(super) async fn follow_events(&self, r: &ReplicaHandle) -> Result<(), EventStreamError> {
+        let addr = r.addr().ok_or(EventStreamError::NoAddress)?;
+        let req = self.client().request(
             http::Method::GET,
             format!("http://{addr}/kv_events"),
             Bytes::new(),
         );
-        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = self
+            .client()
+            .send(req)
+            .await
+            .map_err(|e| EventStreamError::Transport(e.to_string()))?;
         if !resp.status().is_success() {
             if matches!(resp.status().as_u16(), 401 | 403)
                 && !r.events_refused.swap(true, Ordering::Relaxed)
@@ -52,20 +74,23 @@ impl Registry {
                      approximate index"
                 );
             }
-            return Err(format!("status {}", resp.status()));
+            return Err(EventStreamError::Status(resp.status()));
         }
         let mut body = resp.into_body();
         let mut dec = FrameDecoder::new();
         let mut expected: Option<u64> = None;
         while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| e.to_string())?;
+            let frame = frame.map_err(|e| EventStreamError::Transport(e.to_string()))?;
             let Some(data) = frame.data_ref() else {
                 continue;
             };
-            for (seq, batch) in dec.feed(data).map_err(|e| e.to_string())? {
+            for (seq, batch) in dec
+                .feed(data)
+                .map_err(|e| EventStreamError::Frame(e.to_string()))?
+            {
                 if let Some(want) = expected {
                     if seq != want {
-                        return Err(format!("sequence gap: expected {want}, got {seq}"));
+                        return Err(EventStreamError::Gap { want, got: seq });
                     }
                 }
                 expected = Some(seq + 1);
@@ -75,6 +100,6 @@ impl Registry {
                 r.events_live.store(true, Ordering::Relaxed);
             }
         }
-        Err("stream ended".into())
+        Err(EventStreamError::Ended)
     }
 }

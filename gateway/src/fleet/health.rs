@@ -7,9 +7,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 
-use super::{Registry, ReplicaHandle};
+use crate::fleet::client::FetchError;
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::ReplicaHandle;
 
 impl Registry {
     pub(super) fn record_check(&self, r: &ReplicaHandle, ok: bool) {
@@ -52,35 +53,7 @@ impl Registry {
         path: &str,
         timeout: Duration,
     ) -> Option<Bytes> {
-        self.fetch(addr, path, timeout).await.ok()
-    }
-
-    /// GET `path` at `addr`; the error says why, for the operator.
-    pub(super) async fn fetch(
-        &self,
-        addr: SocketAddr,
-        path: &str,
-        timeout: Duration,
-    ) -> Result<Bytes, String> {
-        let req = self.request(
-            http::Method::GET,
-            format!("http://{addr}{path}"),
-            Bytes::new(),
-        );
-        let fut = async {
-            let resp = self.client.request(req).await.map_err(|e| format!("{e}"))?;
-            if !resp.status().is_success() {
-                return Err(format!("{path} answered {}", resp.status()));
-            }
-            resp.into_body()
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .map_err(|e| format!("{e}"))
-        };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| format!("{path} did not answer within {timeout:?}"))?
+        self.client().fetch(addr, path, timeout).await.ok()
     }
 
     /// Runs one health check of `r` now.
@@ -88,8 +61,12 @@ impl Registry {
         let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
         let addr = self.resolve(r).await;
         let result = match addr {
-            Some(addr) => self.fetch(addr, "/health", timeout).await.map(|_| ()),
-            None => Err(format!("cannot resolve {}", r.name)),
+            Some(addr) => self
+                .client()
+                .fetch(addr, "/health", timeout)
+                .await
+                .map(|_| ()),
+            None => Err(FetchError::Unresolved(r.name.clone())),
         };
         let ok = result.is_ok();
         // A replica that never answered is otherwise silent: say why, every 30 s at most.

@@ -9,8 +9,9 @@
 //! the fit still knows what a 6k-token prompt costs instead of extrapolating the short prompts'
 //! fixed overhead into a huge per-token cost.
 //!
-//! Each replica's record (`registry/`) holds one; `forward.rs` feeds it and `admission.rs`
-//! judges requests by its predictions. It holds no I/O and no clock.
+//! Each replica's record (`fleet/replica.rs`) holds one; the relay stage (`request/relay.rs`)
+//! feeds it and the admission rule (`routes/admissible.rs`) judges requests by its
+//! predictions. It holds no I/O and no clock.
 
 use std::time::Duration;
 

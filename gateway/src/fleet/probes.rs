@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use config::gateway::Backend;
 
-use super::{Registry, ReplicaHandle};
-use crate::engine_metrics::parse_vllm;
+use crate::fleet::engine_metrics::parse_vllm;
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::ReplicaHandle;
 
 impl Registry {
     /// Learns from `/server_info` (kvgate and SGLang replicas): the prefill-rate prior of the
@@ -32,7 +33,7 @@ impl Registry {
         if let Some(rate) = v["prefill_tokens_per_s"].as_f64() {
             r.model
                 .lock()
-                .set_prior(rate, crate::latency_model::GENERIC_OVERHEAD_S);
+                .set_prior(rate, crate::fleet::latency_model::GENERIC_OVERHEAD_S);
         }
         v["replica_id"]
             .as_str()

@@ -10,7 +10,7 @@
 //! Secrets come from environment variables or files, never from the gateway file itself, and
 //! are compared in constant time.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use arc_swap::ArcSwap;
 use config::{ApiKeys, Grant};
@@ -23,23 +23,56 @@ pub const ADMIN_TOKEN_ENV: &str = "KVGATE_ADMIN_TOKEN";
 pub const FLEET_TOKEN_ENV: &str = "KVGATE_FLEET_TOKEN";
 pub const API_KEYS_ENV: &str = "KVGATE_API_KEYS";
 
+/// Why a secret or the API key file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("{0} is set but empty")]
+    EmptyEnv(String),
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: a token needs at least 16 characters (got {len})")]
+    ShortToken { path: String, len: usize },
+    #[error("{path}: {source}")]
+    KeyFile {
+        path: String,
+        source: config::ConfigError,
+    },
+    #[error("{API_KEYS_ENV}: {0}")]
+    EnvKeys(config::ConfigError),
+    #[error(
+        "the admin port listens on {0} (not loopback): give it a token with {ADMIN_TOKEN_ENV} \
+         or auth.admin_token_file, or listen on 127.0.0.1"
+    )]
+    OpenAdminPort(String),
+}
+
+fn read(path: &Path) -> Result<String, AuthError> {
+    std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
 /// A secret from `env` (wins) or `file`; `Ok(None)` when neither is set.
-pub fn read_secret(env: &str, file: Option<&str>) -> Result<Option<String>, String> {
+pub fn read_secret(env: &str, file: Option<&str>) -> Result<Option<String>, AuthError> {
     if let Ok(v) = std::env::var(env) {
         let v = v.trim().to_string();
         if v.is_empty() {
-            return Err(format!("{env} is set but empty"));
+            return Err(AuthError::EmptyEnv(env.to_string()));
         }
         return Ok(Some(v));
     }
     let Some(path) = file else { return Ok(None) };
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let text = read(Path::new(path))?;
     let v = text.trim().to_string();
     if v.len() < 16 {
-        return Err(format!(
-            "{path}: a token needs at least 16 characters (got {})",
-            v.len()
-        ));
+        return Err(AuthError::ShortToken {
+            path: path.to_string(),
+            len: v.len(),
+        });
     }
     Ok(Some(v))
 }
@@ -60,26 +93,27 @@ pub struct ApiKeyStore {
     last_seen: Mutex<Option<u64>>,
 }
 
-fn load(path: Option<&PathBuf>, env: Option<&str>) -> Result<(ApiKeys, Option<u64>), String> {
+fn load(path: Option<&PathBuf>, env: Option<&str>) -> Result<(ApiKeys, Option<u64>), AuthError> {
     let (mut keys, seen) = match path {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
-            let k = ApiKeys::from_toml(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+            let text = read(p)?;
+            let k = ApiKeys::from_toml(&text).map_err(|source| AuthError::KeyFile {
+                path: p.display().to_string(),
+                source,
+            })?;
             (k, Some(xxhash_rust::xxh3::xxh3_64(text.as_bytes())))
         }
         None => (ApiKeys::default(), None),
     };
     if let Some(spec) = env {
-        keys.add_env(spec)
-            .map_err(|e| format!("{API_KEYS_ENV}: {e}"))?;
+        keys.add_env(spec).map_err(AuthError::EnvKeys)?;
     }
     Ok((keys, seen))
 }
 
 impl ApiKeyStore {
     /// Loads the key file (if any) and `KVGATE_API_KEYS` (if set).
-    pub fn new(path: Option<PathBuf>) -> Result<Self, String> {
+    pub fn new(path: Option<PathBuf>) -> Result<Self, AuthError> {
         let env = std::env::var(API_KEYS_ENV)
             .ok()
             .filter(|s| !s.trim().is_empty());
@@ -103,13 +137,12 @@ impl ApiKeyStore {
 
     /// Re-reads the key file; `force` even when its text did not change. `Ok(true)` when new
     /// keys are in force; an error leaves the old ones.
-    pub fn reload(&self, force: bool) -> Result<bool, String> {
+    pub fn reload(&self, force: bool) -> Result<bool, AuthError> {
         let Some(path) = &self.path else {
             return Ok(false);
         };
         if !force {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let text = read(path)?;
             if *self.last_seen.lock() == Some(xxhash_rust::xxh3::xxh3_64(text.as_bytes())) {
                 return Ok(false);
             }

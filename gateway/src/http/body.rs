@@ -7,12 +7,53 @@
 //! sent upstream at all, so the replica waits forever for `Content-Length` bytes (pingora issues
 //! #349, #575, #780). A prefix-aware router must see the whole prompt to choose, so kvgate reads
 //! the body itself in `request_filter`, answers the request there, and forwards it with its own
-//! pooled HTTP client (`proxy.rs`). One path for every size: a 10-byte and an 8 MiB body go the
-//! same way, and the limit is checked against `Content-Length` before reading when there is one.
+//! pooled HTTP client (`request/forward.rs`). One path for every size: a 10-byte and an 8 MiB
+//! body go the same way, and the limit is checked against `Content-Length` before reading when
+//! there is one.
+
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use pingora::proxy::Session;
 use protocol::ApiError;
+
+use crate::metrics::GatewayMetrics;
+
+/// Reads the whole body within `timeout` of the end of the header: 413 past `limit`, 408 past
+/// the deadline (counted as a connection closed for `body_timeout`). A failed read closes the
+/// connection after the answer (its remaining bytes cannot be trusted as the next request).
+pub async fn read_within(
+    session: &mut Session,
+    limit: usize,
+    timeout: Duration,
+    metrics: &GatewayMetrics,
+) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(timeout, read_whole_body(session, limit)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            session.set_keepalive(None);
+            Err(e)
+        }
+        Err(_) => {
+            metrics
+                .counter(
+                    "kvgate_gateway_connections_closed_total",
+                    &[("reason", "body_timeout")],
+                )
+                .increment(1);
+            session.set_keepalive(None);
+            Err(ApiError::new(
+                408,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {} ms",
+                    timeout.as_millis()
+                ),
+            )
+            .with_code("body_timeout"))
+        }
+    }
+}
 
 /// Reads the whole request body, refusing more than `limit` bytes with 413.
 pub async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, ApiError> {

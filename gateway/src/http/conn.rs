@@ -37,7 +37,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
-use crate::write_buffer::WriteBuffer;
+use crate::http::write_buffer::WriteBuffer;
 
 /// Response bytes gathered per connection before a flush sends them (a TCP segment's worth).
 const WRITE_BUFFER_BYTES: usize = 8 * 1024;

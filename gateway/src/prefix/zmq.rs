@@ -18,8 +18,8 @@ use bytes::Bytes;
 use protocol::kv_events::KvEventBatch;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::engine_events::{HashTranslator, TranslateError};
-use crate::prefix_index::PrefixIndex;
+use crate::prefix::engine_events::{HashTranslator, TranslateError};
+use crate::prefix::index::PrefixIndex;
 
 /// How long a replay may take before the gap is given up on.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -30,6 +30,26 @@ pub trait EventSink: Send + Sync {
     fn set_live(&self, live: bool);
     /// A configuration error that stops indexing (`None` when it clears).
     fn set_error(&self, error: Option<String>);
+}
+
+/// Why following an engine's events stopped (the caller reconnects and starts over).
+#[derive(Debug, thiserror::Error)]
+pub enum ZmqError {
+    #[error("connect {endpoint}: {source}")]
+    Connect {
+        endpoint: String,
+        source: zeromq::ZmqError,
+    },
+    #[error("{0}")]
+    Socket(#[from] zeromq::ZmqError),
+    #[error("connect timed out")]
+    ConnectTimeout,
+    #[error("replay stopped at {next} of {until}")]
+    ReplayStalled { next: u64, until: u64 },
+    #[error("the replay starts at {seq}, {next} was asked for")]
+    ReplayStartsLate { seq: u64, next: u64 },
+    #[error("the engine no longer buffers batches {next}..{until}")]
+    NoLongerBuffered { next: u64, until: u64 },
 }
 
 /// Where one engine publishes.
@@ -58,12 +78,15 @@ pub async fn follow(
     index: &PrefixIndex,
     translator: &mut HashTranslator,
     sink: &dyn EventSink,
-) -> Result<(), String> {
+) -> Result<(), ZmqError> {
     let mut sub = zeromq::SubSocket::new();
     sub.connect(&source.events)
         .await
-        .map_err(|e| format!("connect {}: {e}", source.events))?;
-    sub.subscribe("").await.map_err(|e| e.to_string())?;
+        .map_err(|source_err| ZmqError::Connect {
+            endpoint: source.events.clone(),
+            source: source_err,
+        })?;
+    sub.subscribe("").await?;
     // Nothing is known of the engine's cache until its events say so.
     index.clear_exact(slot);
     translator.clear();
@@ -99,7 +122,7 @@ pub async fn follow(
         }
     }
     loop {
-        let msg = sub.recv().await.map_err(|e| e.to_string())?;
+        let msg = sub.recv().await?;
         let Some((seq, payload)) = parts(&msg) else {
             tracing::warn!(endpoint = %source.events, frames = msg.len(), "KV event message of an unknown shape; ignored");
             continue;
@@ -162,23 +185,21 @@ async fn replay(
     translator: &mut HashTranslator,
     sink: &dyn EventSink,
     why: Replay,
-) -> Result<Option<u64>, String> {
+) -> Result<Option<u64>, ZmqError> {
     let mut dealer = zeromq::DealerSocket::new();
     tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint))
         .await
-        .map_err(|_| "connect timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| ZmqError::ConnectTimeout)??;
     let mut req = ZmqMessage::from(Bytes::new());
     req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-    dealer.send(req).await.map_err(|e| e.to_string())?;
+    dealer.send(req).await?;
     let mut next = from;
     let mut highest = None;
     let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
     while next < until {
         let msg = tokio::time::timeout_at(deadline, dealer.recv())
             .await
-            .map_err(|_| format!("replay stopped at {next} of {until}"))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| ZmqError::ReplayStalled { next, until })??;
         let Some((seq, payload)) = parts(&msg) else {
             continue;
         };
@@ -192,16 +213,14 @@ async fn replay(
             break;
         }
         if seq > next && why == Replay::Gap {
-            return Err(format!("the replay starts at {seq}, {next} was asked for"));
+            return Err(ZmqError::ReplayStartsLate { seq, next });
         }
         apply(&payload, slot, index, translator, sink);
         highest = Some(seq);
         next = seq + 1;
     }
     if next < until && why == Replay::Gap {
-        return Err(format!(
-            "the engine no longer buffers batches {next}..{until}"
-        ));
+        return Err(ZmqError::NoLongerBuffered { next, until });
     }
     Ok(highest)
 }

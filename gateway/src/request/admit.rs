@@ -1,6 +1,6 @@
-//! Admission in the request path. A classified request is dispatched only when its route has
-//! room (concurrency, prompt-token budget) and at least one replica of the route's pool is
-//! admissible for it (`admission::admissible`: predicted TTFT and inter-token gap within the
+//! Stage 3, admit: a classified request waits here until placement lets it go. It is
+//! dispatched only when its route has room (concurrency, prompt-token budget) and at least one replica of the route's pool is
+//! admissible for it (`routes/admissible.rs`: predicted TTFT and inter-token gap within the
 //! promise, no KV high-water, no fresh preemptions); the route's policy then picks among the
 //! admissible replicas, so cache affinity and admission compose. Otherwise the request waits
 //! in the route's queue — only the head tries, so waiting is first come, first served within a
@@ -10,77 +10,23 @@
 //! Waiters wake when a request of the route finishes or leaves the queue, and every 20 ms
 //! otherwise (load reports and learnt models change without an event).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use config::Priority;
-use policies::RouteDecision;
+use parking_lot::Mutex;
 use protocol::ApiError;
 
-use crate::admission_queue::{Shed, Ticket};
-use crate::placement::{Outcome, Purpose};
-use crate::policy_store::{ActivePolicy, ActiveRoute};
-use crate::registry::PendingPrefill;
-use crate::route_runtime::RouteRuntime;
-use crate::router::Prepared;
-use crate::state::GatewayState;
+use crate::fleet::guards::PendingPrefill;
+use crate::request::place::{Outcome, Placer, Purpose};
+use crate::request::prepared::Prepared;
+use crate::routes::admitted::Admitted;
+use crate::routes::queue::{Shed, Ticket};
+use crate::routes::runtime::RouteRuntime;
+use crate::routes::store::{ActivePolicy, ActiveRoute};
 
 /// How often a waiter re-checks without being woken.
 const RECHECK: Duration = Duration::from_millis(20);
-
-/// A dispatched request's share of its route's limits, released (and the queue woken) when
-/// the request ends.
-pub struct Admitted {
-    rt: Arc<RouteRuntime>,
-    tokens: u64,
-    pub decision: RouteDecision,
-    /// The chosen replica's share of queued prefill, taken at the decision so the next
-    /// decision already sees it; with the prefill that was queued ahead of it.
-    pub pending: Option<(PendingPrefill, u64)>,
-    /// Blocks of the prompt the index believed cached at each replica.
-    pub matched: Vec<usize>,
-    pub queued: Duration,
-}
-
-impl Admitted {
-    fn new(
-        rt: Arc<RouteRuntime>,
-        tokens: u64,
-        decision: RouteDecision,
-        matched: Vec<usize>,
-        queued: Duration,
-        pending: (PendingPrefill, u64),
-    ) -> Self {
-        rt.in_flight.fetch_add(1, Ordering::Relaxed);
-        rt.in_flight_tokens.fetch_add(tokens, Ordering::Relaxed);
-        rt.stats.queue_seconds.record(queued.as_secs_f64());
-        rt.update_gauges();
-        Admitted {
-            rt,
-            tokens,
-            decision,
-            pending: Some(pending),
-            matched,
-            queued,
-        }
-    }
-
-    pub fn route(&self) -> &Arc<RouteRuntime> {
-        &self.rt
-    }
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        self.rt.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.rt
-            .in_flight_tokens
-            .fetch_sub(self.tokens, Ordering::Relaxed);
-        self.rt.update_gauges();
-        self.rt.wake();
-    }
-}
 
 /// A place in the queue, given up when dropped (dispatched, shed, or the client went away).
 struct QueuePlace {
@@ -104,13 +50,21 @@ pub enum Refusal {
     Error(ApiError),
 }
 
-impl GatewayState {
+/// What the admit stage works with: placement (the fleet and the prefix index behind it), and
+/// the lock that makes each decision and its reservations one step.
+pub struct Admitter<'a> {
+    pub placer: Placer<'a>,
+    /// Serialises admission decisions with their reservations.
+    pub lock: &'a Mutex<()>,
+}
+
+impl Admitter<'_> {
     /// Fleet prefill rate of the route's pool as learnt (tokens/s), for Retry-After.
     fn pool_prefill_rate(&self, route: &ActiveRoute) -> Option<f64> {
         let rates: Vec<f64> = route
             .pool
             .iter()
-            .filter_map(|&i| self.router.registry.replica(i)?.model.lock().prefill_rate())
+            .filter_map(|&i| self.placer.fleet.replica(i)?.model.lock().prefill_rate())
             .collect();
         (!rates.is_empty()).then(|| rates.iter().sum())
     }
@@ -131,7 +85,7 @@ impl GatewayState {
         if !route.cfg.admission {
             return false;
         }
-        let replicas = self.router.registry.replicas();
+        let replicas = self.placer.fleet.replicas();
         let best = route
             .pool
             .iter()
@@ -139,7 +93,12 @@ impl GatewayState {
             .map(|r| {
                 r.model
                     .lock()
-                    .predict_ttft(0, self.uncached(p, matched, r.slot))
+                    .predict_ttft(
+                        0,
+                        self.placer
+                            .prefix
+                            .uncached(p.prompt_tokens, matched, r.slot),
+                    )
                     .unwrap_or(Duration::ZERO)
             })
             .min()
@@ -174,24 +133,25 @@ impl GatewayState {
             let my_turn = rt.queue.may_try(place.as_ref().map(|q| q.ticket));
             let mut held_by: Option<bool> = None;
             // The index lookup once per attempt, shared by placement and the deadline check.
-            let matched = self.router.matched(p);
+            let matched = self.placer.matched(p);
             if my_turn {
                 // Deciding and reserving (pending prefill, route counts) is one step per
                 // gateway: waiters woken together must not all admit against the same state.
-                let _serial = self.dispatch_lock.lock();
-                let placed = self.place(a, route, p, &matched, Purpose::Dispatch { waited });
+                let _serial = self.lock.lock();
+                let placed = self
+                    .placer
+                    .place(a, route, p, &matched, Purpose::Dispatch { waited });
                 match placed.outcome {
                     Outcome::Go(d) => {
-                        self.router
-                            .registry
-                            .note_dispatch(d.replica, p.prompt_tokens as u64);
-                        self.router.sent(d.replica, p, Some(&matched));
-                        let Some(replica) = self.router.registry.replica(d.replica) else {
+                        let (fleet, prefix) = (self.placer.fleet, self.placer.prefix);
+                        fleet.note_dispatch(d.replica, p.prompt_tokens as u64);
+                        prefix.sent(d.replica, p.blocks(), Some(&matched), fleet.now_s());
+                        let Some(replica) = fleet.replica(d.replica) else {
                             continue;
                         };
                         let pending = PendingPrefill::new(
                             replica,
-                            self.uncached(p, &matched, d.replica),
+                            prefix.uncached(p.prompt_tokens, &matched, d.replica),
                             p.hashes.clone(),
                         );
                         let admitted = Admitted::new(

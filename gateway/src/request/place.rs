@@ -1,14 +1,15 @@
-//! Placement: the one answer to "where does this request go now?", asked for a first dispatch,
-//! for a retry after a failed attempt, and for `explain`, so the three can never disagree.
+//! Stage 4, place: the one answer to "where does this request go now?", asked for a first
+//! dispatch (by the admit stage), for a retry after a failed attempt (the pipeline hands
+//! [`Placer::retry`] to the forward stage) and for `explain`, so the three can never disagree.
 //!
-//! [`GatewayState::place`] takes the request, the route, the prefix index's match counts and
-//! the purpose, reads one snapshot of the fleet (health, load, the learnt speed of every
+//! [`Placer::place`] takes the request, the route, the prefix index's match counts and the
+//! purpose, reads one snapshot of the fleet (health, load, the learnt speed of every
 //! replica: [`policies::SpeedView`]), and returns a [`Placement`]: the route's policy's
 //! decision among the replicas admission allows, or why the request must wait, with every
 //! replica's verdict for `explain`.
 //!
 //! - **Dispatch**: the route's limits (concurrency, prompt tokens in flight), then admission per
-//!   pool replica (`admission::admissible`: predicted TTFT and decode step within the promise,
+//!   pool replica (`routes/admissible.rs`: predicted TTFT and decode step within the promise,
 //!   stall budget, KV high-water, preemptions), then affinity patience, then the policy among
 //!   the admissible replicas.
 //! - **Retry**: the request was admitted already; the policy chooses again without the replicas
@@ -27,12 +28,14 @@
 use std::time::Duration;
 
 use policies::{ReplicaSet, RouteDecision, RouteRequest};
+use protocol::slo::Slo;
 use protocol::ApiError;
 
-use crate::admission::{admissible, Hold, Slo};
-use crate::policy_store::{ActivePolicy, ActiveRoute};
-use crate::router::Prepared;
-use crate::state::GatewayState;
+use crate::fleet::registry::Registry;
+use crate::prefix::view::PrefixView;
+use crate::request::prepared::Prepared;
+use crate::routes::admissible::{admissible, Hold};
+use crate::routes::store::{ActivePolicy, ActiveRoute};
 
 /// Why a placement is asked for.
 #[derive(Debug, Clone, Copy)]
@@ -95,12 +98,45 @@ struct Ask<'a> {
     itl: Option<Duration>,
 }
 
-impl GatewayState {
-    /// Uncached prompt tokens of `p` at replica `i`.
-    pub(crate) fn uncached(&self, p: &Prepared, matched: &[usize], i: usize) -> u64 {
-        p.prompt_tokens
-            .saturating_sub(matched.get(i).copied().unwrap_or(0) * self.router.block_size)
-            as u64
+/// What placement reads: the fleet (health, load, learnt speed) and the prefix index.
+#[derive(Clone, Copy)]
+pub struct Placer<'a> {
+    pub fleet: &'a Registry,
+    pub prefix: &'a PrefixView,
+}
+
+impl Placer<'_> {
+    /// Per replica: blocks of `p` the index believes are cached there now.
+    pub fn matched(&self, p: &Prepared) -> Vec<usize> {
+        self.prefix.matched(p.blocks(), &self.fleet.index_scope())
+    }
+
+    /// Per replica: blocks of `p` each replica has itself reported (its KV events).
+    pub fn confirmed(&self, p: &Prepared) -> Vec<usize> {
+        self.prefix.confirmed(p.blocks(), &self.fleet.index_scope())
+    }
+
+    /// Where an admitted request goes after the replicas in `tried` failed it (the policy again,
+    /// without them), or why it cannot go anywhere.
+    pub fn retry(
+        &self,
+        a: &ActivePolicy,
+        route: &ActiveRoute,
+        p: &Prepared,
+        matched: &[usize],
+        tried: &[usize],
+    ) -> Result<RouteDecision, ApiError> {
+        match self
+            .place(a, route, p, matched, Purpose::Retry { tried })
+            .outcome
+        {
+            Outcome::Go(d) => Ok(d),
+            Outcome::Fail(e) => Err(e),
+            Outcome::Hold { reason, .. } => Err(ApiError::unavailable(format!(
+                "no replica can take the request now ({reason})"
+            ))
+            .with_code("no_healthy_replica")),
+        }
     }
 
     /// Where `p` goes now on `route`, or why it waits (see the module docs).
@@ -112,7 +148,7 @@ impl GatewayState {
         matched: &[usize],
         purpose: Purpose<'_>,
     ) -> Placement {
-        let registry = &self.router.registry;
+        let registry = self.fleet;
         let fleet = registry.snapshot();
         let mut placement = Placement {
             outcome: Outcome::Hold {
@@ -179,7 +215,7 @@ impl GatewayState {
                 let verdict = admissible(
                     &r.model.lock(),
                     &pressure,
-                    self.uncached(p, matched, i),
+                    self.prefix.uncached(p.prompt_tokens, matched, i),
                     &slo,
                     a.file.kv_high_water,
                 );
@@ -254,18 +290,13 @@ impl GatewayState {
         if d.matched_blocks == 0 || waited >= cap {
             return false;
         }
-        let Some(r) = self.router.registry.replica(d.replica) else {
+        let Some(r) = self.fleet.replica(d.replica) else {
             return false;
         };
         if !r.events_live() {
             return false;
         }
-        let confirmed = self
-            .router
-            .confirmed(p)
-            .get(d.replica)
-            .copied()
-            .unwrap_or(0);
+        let confirmed = self.confirmed(p).get(d.replica).copied().unwrap_or(0);
         // The first block the events have not confirmed must belong to a request still
         // prefilling there. Otherwise the speculative record is stale (its request answered,
         // and the blocks were evicted before the events showed them), and nothing will come.
@@ -292,15 +323,12 @@ impl GatewayState {
                 r.healthy = false;
             }
         }
-        let offloaded = self.router.offloaded(p, matched);
-        let reuse = self
-            .router
-            .reuse
-            .at_matches(&p.hashes[..p.cacheable], matched);
+        let offloaded = self.prefix.offloaded(p.blocks(), matched);
+        let reuse = self.prefix.reuse(p.blocks(), matched);
         let req = RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
-            block_size: self.router.block_size,
+            block_size: self.prefix.block_size,
             matched_blocks: matched,
             offloaded_blocks: &offloaded,
             session_id: p.session_id.as_deref(),

@@ -1,120 +1,38 @@
-//! From request body to routing decision: parse and validate the OpenAI request, render the chat
-//! template and tokenise (segment cache, on the blocking pool), hash the prompt's blocks with the
-//! protocol crate's one function, and ask the prefix index how much of it each replica holds.
-//! Where the request goes is `placement.rs`'s question.
+//! Stage 1, prepare: from request body to a [`Prepared`] request. Parse and validate the OpenAI
+//! request, put the tenant's cache salt in it, render the chat template and tokenise (with
+//! work bounded by the prompt limit, the segment cache for chat messages), and hash the
+//! prompt's blocks with the protocol crate's one function. Tokenising is CPU work: it runs on
+//! the blocking pool, never on the reactor, and at most `tokenize_concurrency` prompts at once
+//! ([`Tokenizers`]); a request that cannot get a tokeniser in time is shed.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use serde::Deserialize;
-
-use policies::RouteDecision;
 use protocol::hashing::{block_hashes, cacheable_prompt_blocks, root_hash};
 use protocol::openai::{ChatCompletionRequest, CompletionRequest, PromptInput};
 use protocol::segment_cache::SegmentCache;
 use protocol::token_bound::LimitCheck;
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
+use serde::Deserialize;
 use serde_json::Value;
+use tokio::sync::Semaphore;
 
 use crate::metrics::GatewayMetrics;
-use crate::prefix_reuse::PrefixReuse;
-use crate::registry::Registry;
+use crate::request::prepared::{Caller, Endpoint, Prepared, PromptLimits};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    Completions,
-    ChatCompletions,
-}
+/// Bodies up to this size are tokenised on the reactor (see [`Tokenizers::prepare`]).
+pub const INLINE_PREPARE_BYTES: usize = 1024;
 
-impl Endpoint {
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::ChatCompletions => "/v1/chat/completions",
-        }
-    }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "completions",
-            Endpoint::ChatCompletions => "chat_completions",
-        }
-    }
-}
-
-/// Who sends a request, as far as its prompt is concerned.
-#[derive(Debug, Clone, Default)]
-pub struct Caller {
-    pub session_id: Option<String>,
-    /// The tenant's cache scope: prefixed to the request's own `cache_salt`, so tenants never
-    /// share prefix blocks unless the policy groups them. `None`: the anonymous single tenant,
-    /// whose own salt passes through.
-    pub tenant_salt: Option<String>,
-}
-
-/// A parsed, tokenised, hashed request ready to route.
-#[derive(Debug, Clone)]
-pub struct Prepared {
-    pub endpoint: Endpoint,
-    pub stream: bool,
-    /// Prompt tokens of the whole request (summed over a batched prompt list): what routes
-    /// classify, budgets count and admission prices.
-    pub prompt_tokens: usize,
-    /// The longest single prompt of the request.
-    pub largest_prompt_tokens: usize,
-    /// Hashes of every full block of the (first) prompt (shared with the replica's prefill
-    /// queue while the request is unanswered, not copied).
-    pub hashes: Arc<[u64]>,
-    /// Leading blocks a replica could serve from cache (the last prompt token is always
-    /// computed).
-    pub cacheable: usize,
-    pub session_id: Option<String>,
-    pub tokenize_seconds: f64,
-    /// The body as it is forwarded: the client's `priority` removed, the tenant's salt in
-    /// `cache_salt`; [`Prepared::body_for`] adds the route's engine priority.
-    doc: Arc<serde_json::Map<String, Value>>,
-}
-
-#[derive(serde::Serialize)]
-struct Outgoing<'a> {
-    #[serde(flatten)]
-    doc: &'a serde_json::Map<String, Value>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    priority: Option<i32>,
-}
-
-impl Prepared {
-    /// The body to send upstream, with `engine_priority` as the body's `priority` (left out
-    /// when 0, which engines without priority scheduling require).
-    pub fn body_for(&self, engine_priority: i32) -> Bytes {
-        let out = Outgoing {
-            doc: &self.doc,
-            priority: (engine_priority != 0).then_some(engine_priority),
-        };
-        Bytes::from(serde_json::to_vec(&out).unwrap_or_default())
-    }
-}
-
-/// Limits on the prompt, checked before and after tokenising.
-#[derive(Debug, Clone, Copy)]
-pub struct PromptLimits {
-    /// Tokens of one prompt.
-    pub per_prompt: usize,
-    /// Tokens of a request, summed over a batched prompt list.
-    pub per_request: usize,
-}
-
-pub struct Router {
+/// Parses, tokenises and hashes a request's prompt (blocking work).
+pub struct Preparer {
     pub tokenizer: Arc<TextTokenizer>,
     segments: SegmentCache,
+    /// The served model name a request must ask for.
     pub model: String,
     pub block_size: usize,
-    pub registry: Arc<Registry>,
-    pub metrics: Arc<GatewayMetrics>,
-    /// How often each matched prefix is reused (the inter-token check's amortisation).
-    pub reuse: PrefixReuse,
+    metrics: Arc<GatewayMetrics>,
 }
 
 fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
@@ -131,23 +49,20 @@ fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
     .with_code("context_length_exceeded")
 }
 
-impl Router {
+impl Preparer {
     pub fn new(
         tokenizer: Arc<TextTokenizer>,
         model: String,
         block_size: usize,
-        registry: Arc<Registry>,
         metrics: Arc<GatewayMetrics>,
     ) -> Self {
         let segments = SegmentCache::new(&tokenizer, 64 << 20);
-        Router {
+        Preparer {
             tokenizer,
             segments,
             model,
             block_size,
-            registry,
             metrics,
-            reuse: PrefixReuse::default(),
         }
     }
 
@@ -318,67 +233,78 @@ impl Router {
             doc: Arc::new(doc),
         })
     }
+}
 
-    /// Per replica: blocks of the prompt the index believes are cached there.
-    pub fn matched(&self, p: &Prepared) -> Vec<usize> {
-        self.registry.index.match_lengths(
-            &p.hashes[..p.cacheable],
-            self.registry.slots(),
-            self.registry.now_s(),
-            &self.registry.index_ttls(),
-        )
-    }
+/// The prepare stage as the request path runs it: a [`Preparer`] behind a bounded number of
+/// tokeniser slots on the blocking pool.
+pub struct Tokenizers {
+    pub preparer: Arc<Preparer>,
+    /// Prompts being tokenised at once.
+    slots: Arc<Semaphore>,
+    /// How long a request may wait for a slot before it is shed.
+    wait: Duration,
+    metrics: Arc<GatewayMetrics>,
+}
 
-    /// Per replica: leading blocks of the prompt it has itself reported cached (its KV events),
-    /// without the speculative records of requests sent there.
-    pub fn confirmed(&self, p: &Prepared) -> Vec<usize> {
-        let n = self.registry.slots();
-        self.registry.index.match_lengths(
-            &p.hashes[..p.cacheable],
-            n,
-            self.registry.now_s(),
-            &vec![0; n],
-        )
-    }
-
-    /// Per replica: blocks after its match in `matched` that sit in its offload tier.
-    pub fn offloaded(&self, p: &Prepared, matched: &[usize]) -> Vec<usize> {
-        self.registry
-            .index
-            .offloaded_lengths(&p.hashes[..p.cacheable], matched)
-    }
-
-    /// The speculative index insert: `p`'s blocks are taken to be at `replica` from the moment
-    /// it is sent there, until the replica's own KV events arrive (short-lived for replicas
-    /// with live events, `speculative_ttl_s`), so a burst sharing a new prefix follows its
-    /// first request instead of prefilling it cold on every replica. Refreshed at the first
-    /// answer. *Decision*: at send, since the inter-token check (on by default) keeps a hot
-    /// prefix's single holder from taking every stream; without the check, inserting at send
-    /// sat agent traffic on three replicas (BENCHMARKS, issue 11).
-    pub fn speculate(&self, replica: usize, p: &Prepared) {
-        self.registry
-            .index
-            .record_routed(replica, &p.hashes, self.registry.now_s());
-    }
-
-    /// Records a request sent to `replica`: the speculative insert, and (first attempts only)
-    /// one reuse of the deepest prefix the index matched.
-    pub fn sent(&self, replica: usize, p: &Prepared, matched: Option<&[usize]>) {
-        self.speculate(replica, p);
-        if let Some(m) = matched {
-            self.reuse.record(&p.hashes[..p.cacheable], m);
+impl Tokenizers {
+    pub fn new(
+        preparer: Arc<Preparer>,
+        slots: usize,
+        wait: Duration,
+        metrics: Arc<GatewayMetrics>,
+    ) -> Self {
+        Tokenizers {
+            preparer,
+            slots: Arc::new(Semaphore::new(slots)),
+            wait,
+            metrics,
         }
     }
 
-    /// Records a decision whose replica answered: the speculative insert refreshed, metrics.
-    pub fn commit(&self, policy: &'static str, p: &Prepared, d: &RouteDecision) {
-        self.speculate(d.replica, p);
-        self.metrics.decision(policy, d.reason.label());
-        if let Some(r) = self.registry.replica(d.replica) {
-            r.metrics().prompt_tokens.increment(p.prompt_tokens as u64);
-            r.metrics()
-                .predicted_hit_tokens
-                .increment((d.matched_blocks * self.block_size) as u64);
+    /// Prepares `body` on the blocking pool, at most `slots` prompts at once; a request that
+    /// cannot get a slot in time is shed. A small body (at most [`INLINE_PREPARE_BYTES`]: a few
+    /// hundred tokens, tens of microseconds) is prepared where it is, on the reactor — the
+    /// hand-off to the blocking pool and back would cost more than the work.
+    pub async fn prepare(
+        &self,
+        endpoint: Endpoint,
+        body: Bytes,
+        caller: Caller,
+        limits: PromptLimits,
+    ) -> Result<Prepared, ApiError> {
+        let started = Instant::now();
+        if body.len() <= INLINE_PREPARE_BYTES {
+            let p = self.preparer.prepare(endpoint, &body, &caller, limits)?;
+            self.record(&p, started);
+            return Ok(p);
         }
+        let slot = tokio::time::timeout(self.wait, self.slots.clone().acquire_owned())
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .ok_or_else(|| {
+                ApiError::new(
+                    429,
+                    "rate_limit_exceeded",
+                    "every tokeniser is busy; retry shortly",
+                )
+                .with_code("tokenizer_busy")
+            })?;
+        let preparer = self.preparer.clone();
+        let p = tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            preparer.prepare(endpoint, &body, &caller, limits)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))??;
+        self.record(&p, started);
+        Ok(p)
+    }
+
+    fn record(&self, p: &Prepared, started: Instant) {
+        self.metrics.tokenize_seconds.record(p.tokenize_seconds);
+        self.metrics
+            .route_seconds
+            .record(started.elapsed().as_secs_f64());
     }
 }

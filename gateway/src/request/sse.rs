@@ -1,4 +1,4 @@
-//! Reading a replica's answer on its way to the client. [`SseTap`] cuts the byte stream into
+//! Reading a replica's answer on its way to the client (for the forward and relay stages). [`SseTap`] cuts the byte stream into
 //! server-sent events (holding back only an incomplete event), notices `[DONE]`, error events
 //! and the usage event, and rewrites what the usage says about cache hits per the policy's
 //! [`HitPolicy`]. A stream that ends without `[DONE]` was cut: the relay then sends an

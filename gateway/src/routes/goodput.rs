@@ -10,13 +10,13 @@ use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram};
 use parking_lot::Mutex;
+use protocol::slo::Slo;
 
-use crate::admission::Slo;
 use crate::metrics::GatewayMetrics;
 
 /// What one finished request measured, as the relay saw it.
 #[derive(Debug, Clone, Default)]
-pub struct Outcome {
+pub struct Served {
     pub ttft: Option<Duration>,
     pub gaps: Vec<Duration>,
     /// End to end, for answers that are not streamed (one chunk).
@@ -27,10 +27,10 @@ pub struct Outcome {
 
 pub use protocol::slo::Verdict;
 
-/// Judges an outcome against a promise with the shared goodput rule (`protocol::slo`): a
+/// Judges a served request against a promise with the shared goodput rule (`protocol::slo`): a
 /// stream by its TTFT and the p95 of its own gaps, an answer that is not streamed by its
 /// end-to-end time against TTFT plus one gap per further token.
-pub fn judge(o: &Outcome, slo: &Slo) -> Verdict {
+pub fn judge(o: &Served, slo: &Slo) -> Verdict {
     if o.stream {
         slo.judge_stream(o.ttft, &o.gaps)
     } else {
@@ -170,7 +170,7 @@ impl RouteStats {
     }
 
     /// Records a finished request; returns its verdict.
-    pub fn finished(&self, now_s: u64, o: &Outcome, slo: &Slo) -> Verdict {
+    pub fn finished(&self, now_s: u64, o: &Served, slo: &Slo) -> Verdict {
         let v = judge(o, slo);
         self.requests.increment(1);
         self.output_tokens.increment(o.output_tokens);
@@ -237,8 +237,8 @@ mod tests {
         }
     }
 
-    fn streamed(ttft_ms: u32, gaps_ms: &[u32]) -> Outcome {
-        Outcome {
+    fn streamed(ttft_ms: u32, gaps_ms: &[u32]) -> Served {
+        Served {
             ttft: Some(ttft_ms * MS),
             gaps: gaps_ms.iter().map(|&g| g * MS).collect(),
             e2e: Duration::ZERO,
@@ -276,7 +276,7 @@ mod tests {
 
     #[test]
     fn unstreamed_answers_are_judged_end_to_end() {
-        let o = Outcome {
+        let o = Served {
             ttft: Some(2000 * MS),
             gaps: vec![],
             e2e: 2000 * MS,
@@ -285,7 +285,7 @@ mod tests {
         };
         // Budget: 1 s + 20 × 50 ms = 2 s.
         assert!(judge(&o, &slo()).good());
-        let late = Outcome {
+        let late = Served {
             e2e: 2001 * MS,
             ..o
         };

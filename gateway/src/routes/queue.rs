@@ -1,6 +1,7 @@
 //! Waiting requests of one route, in (priority, deadline) order, bounded: a request whose TTFT
 //! deadline has passed, or that finds the queue full, is shed with a Retry-After estimated
-//! from the backlog (`dispatch.rs` decides when; this holds the order and the arithmetic).
+//! from the backlog (the admit stage, `request/admit.rs`, decides when; this holds the order and
+//! the arithmetic).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -1,6 +1,7 @@
 //! A route's live state — its admission queue, what it has in flight (requests and prompt
 //! tokens), its wake-up signal and its metrics — kept across policy reloads by route name. The
-//! policy store holds one per route; admission (`dispatch`) reserves and releases through it.
+//! policy store holds one per route; the admit stage (`request/admit.rs`) reserves through it
+//! and its [`Admitted`](crate::routes::admitted::Admitted) releases.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -8,10 +9,10 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::admission_queue::AdmissionQueue;
 use crate::clock::{Clock, SystemClock};
-use crate::goodput::RouteStats;
 use crate::metrics::GatewayMetrics;
+use crate::routes::goodput::RouteStats;
+use crate::routes::queue::AdmissionQueue;
 
 /// A route's live state, kept across policy reloads by route name.
 pub struct RouteRuntime {

@@ -11,17 +11,18 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use config::{ConfigError, PolicyConfig, PolicyFile, RouteConfig};
 use parking_lot::Mutex;
 use policies::RoutingPolicy;
+use protocol::slo::Slo;
+use protocol::time::unix_now;
 use serde_json::{json, Value};
 
-use crate::admission::Slo;
 use crate::metrics::GatewayMetrics;
-use crate::route_runtime::RouteRuntime;
+use crate::routes::runtime::RouteRuntime;
 
 /// One route of the active policy.
 pub struct ActiveRoute {
@@ -88,13 +89,6 @@ pub struct PolicyStore {
     /// The text hash each accepted `version` had: a file that keeps a version but changes
     /// its text (a truncated or half-written copy) is refused.
     versions: Mutex<HashMap<String, u64>>,
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 fn text_hash(text: &str) -> u64 {

@@ -225,7 +225,7 @@ pub struct Gateway {
     pub base: String,
     pub admin: String,
     pub client: reqwest::Client,
-    pub state: std::sync::Arc<gateway::proxy::GatewayState>,
+    pub state: std::sync::Arc<gateway::state::GatewayState>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }

@@ -1,0 +1,67 @@
+//! What a request holds at a replica while it is there: [`InFlight`] counts it in the replica's
+//! in-flight load, [`PendingPrefill`] counts its uncached prompt tokens as prefill queued there
+//! until its first byte. Both are released when dropped, whatever way the request ends.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::fleet::replica::ReplicaHandle;
+
+/// byte arrives (`done`) or it ends.
+pub struct PendingPrefill {
+    replica: Arc<ReplicaHandle>,
+    /// The request's place in the replica's queue; `None` once answered.
+    id: Option<u64>,
+}
+
+impl PendingPrefill {
+    /// Adds `tokens` (the uncached part of a prompt whose block hashes are `blocks`); returns
+    /// the guard and the prefill still to do ahead of them.
+    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: Arc<[u64]>) -> (Self, u64) {
+        let (overhead_s, seconds_per_token) = replica.model.lock().ttft_coefficients();
+        let (id, ahead) = replica.prefill.add(
+            tokens,
+            blocks,
+            Instant::now(),
+            overhead_s,
+            seconds_per_token,
+        );
+        (
+            PendingPrefill {
+                replica,
+                id: Some(id),
+            },
+            ahead,
+        )
+    }
+
+    pub fn done(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.replica.prefill.done(id, Instant::now());
+        }
+    }
+}
+
+impl Drop for PendingPrefill {
+    fn drop(&mut self) {
+        self.done();
+    }
+}
+
+/// Counts a request in flight at a replica for as long as it lives.
+pub struct InFlight(Arc<ReplicaHandle>);
+
+impl InFlight {
+    pub fn new(r: Arc<ReplicaHandle>) -> Self {
+        r.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(r)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.finished.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,22 @@
+//! The replicas behind the gateway: who they are ([`registry`] — the list, reloadable, by
+//! slot — and one [`replica`] record each), whether they are up ([`health`]), what they say
+//! about themselves ([`probes`], [`engine_metrics`]), how fast they are ([`latency_model`],
+//! learnt from what the gateway relays, and [`prefill_queue`], the prefill sent there and not
+//! yet answered), how loaded ([`pressure`]), where they come from ([`discovery`]), how the
+//! gateway talks to them ([`client`]) and what a request holds there while it runs
+//! ([`guards`]). Their KV event streams are followed here ([`events`], [`tasks`]) and written
+//! into the prefix index (`prefix/`).
+
+pub mod client;
+pub mod discovery;
+pub mod engine_metrics;
+pub mod events;
+pub mod guards;
+pub mod health;
+pub mod latency_model;
+pub mod prefill_queue;
+pub mod pressure;
+pub mod probes;
+pub mod registry;
+pub mod replica;
+pub mod tasks;

@@ -1,0 +1,221 @@
+//! One replica as the gateway knows it ([`ReplicaHandle`]): its resolved address (re-resolved
+//! on every health check, so DNS names follow their records), health (ejected after
+//! consecutive failures, readmitted after consecutive passes), load (polled from `/get_load`,
+//! plus the gateway's own in-flight count), the latency model learnt from its streams, its
+//! metric handles and whether its KV event stream is live. Policies see it through
+//! [`ReplicaHandle::load`] and [`ReplicaHandle::speed`]; the health checks, probes and event
+//! followers (`health.rs`, `probes.rs`, `events.rs`) write into it.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use parking_lot::RwLock;
+use policies::{LoadSignal, SpeedView};
+
+use crate::fleet::latency_model::LatencyModel;
+use crate::fleet::prefill_queue::PrefillQueue;
+use crate::metrics::{GatewayMetrics, ReplicaMetrics};
+
+pub struct ReplicaHandle {
+    pub slot: usize,
+    pub name: String,
+    /// What the gateway has learnt about this replica's speed from the streams it relays.
+    pub model: parking_lot::Mutex<LatencyModel>,
+    /// Its series, registered once its label is settled (see [`ReplicaHandle::label`]).
+    pub(super) metrics: OnceLock<ReplicaMetrics>,
+    pub(super) factory: Arc<GatewayMetrics>,
+    /// Its identity in metrics, explain, the access log and the admin API: the `replica_id` its
+    /// `/server_info` reports (the label its own metrics carry), or its address. Settled at the
+    /// first health check.
+    pub(super) label: OnceLock<String>,
+    /// Removed from the list: no new requests; the ones it has finish.
+    pub(super) retired: AtomicBool,
+    /// Health, load and event tasks, stopped on retirement.
+    pub(super) tasks: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    pub(super) addr: RwLock<Option<SocketAddr>>,
+    pub(super) healthy: AtomicBool,
+    pub(super) fails: AtomicU32,
+    pub(super) oks: AtomicU32,
+    pub in_flight: AtomicU32,
+    pub(super) waiting: AtomicU32,
+    pub(super) running: AtomicU32,
+    pub(super) kv_usage_bits: AtomicU64,
+    pub(super) events_live: AtomicBool,
+    /// Why an engine's events cannot be indexed (a block size the gateway does not hash with).
+    pub(super) events_error: parking_lot::Mutex<Option<String>>,
+    /// Recognised as a vLLM engine by its `/metrics` (no engine table names it).
+    pub(super) detected_vllm: AtomicBool,
+    /// The event stream was refused for want of a token (warned once).
+    pub(super) events_refused: AtomicBool,
+    /// Requests this gateway saw finish at the replica, and how many had finished when the
+    /// last load report was requested: a report taken before one of our requests finished
+    /// still counts it, so it is ignored until the next poll.
+    pub(super) finished: AtomicU64,
+    pub(super) finished_at_poll: AtomicU64,
+    /// Uncached prompt tokens of our requests sent here that have not shown a first byte, and
+    /// how much of them the replica has likely done: the prefill ahead of the next one.
+    pub(super) prefill: PrefillQueue,
+    /// The replica's preemption counter at the last poll (`u64::MAX` before the first).
+    pub(super) preemptions: AtomicU64,
+    /// Registry-clock milliseconds + 1 of the last poll that saw preemptions rise (0: never).
+    pub(super) preempted_at_ms: AtomicU64,
+    /// KV cache capacity in tokens (`max_total_num_tokens`; 0 when the replica does not say).
+    pub(super) capacity_tokens: AtomicU64,
+    /// Prompt tokens this gateway sent there since the last load report: the KV the report
+    /// does not show yet.
+    pub(super) since_poll_tokens: AtomicU64,
+    /// Registry-clock ms + 1 of the last "not admitted" warning (0: never).
+    pub(super) warned_at_ms: AtomicU64,
+    /// `max_model_len` from the replica's `/v1/models` (0: not known yet).
+    pub(super) max_model_len: AtomicU64,
+    /// Prompt tokens the replica prefills per step (`chunked_prefill_size` in `/server_info`,
+    /// as kvgate and SGLang report it; 0: not known).
+    pub(super) chunk_tokens: AtomicU64,
+    /// Bumped each time the replica is ejected: requests waiting on it give up at once (and
+    /// are retried elsewhere when nothing reached the client yet).
+    pub(super) ejections: tokio::sync::watch::Sender<u64>,
+}
+
+impl ReplicaHandle {
+    pub(super) fn new(slot: usize, name: String, factory: Arc<GatewayMetrics>) -> Self {
+        ReplicaHandle {
+            slot,
+            name,
+            model: parking_lot::Mutex::new(LatencyModel::default()),
+            metrics: OnceLock::new(),
+            factory,
+            label: OnceLock::new(),
+            retired: AtomicBool::new(false),
+            tasks: parking_lot::Mutex::new(Vec::new()),
+            addr: RwLock::new(None),
+            healthy: AtomicBool::new(false),
+            fails: AtomicU32::new(0),
+            oks: AtomicU32::new(0),
+            in_flight: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            running: AtomicU32::new(0),
+            kv_usage_bits: AtomicU64::new(0f64.to_bits()),
+            events_live: AtomicBool::new(false),
+            events_error: parking_lot::Mutex::new(None),
+            detected_vllm: AtomicBool::new(false),
+            events_refused: AtomicBool::new(false),
+            finished: AtomicU64::new(0),
+            finished_at_poll: AtomicU64::new(0),
+            prefill: PrefillQueue::default(),
+            preemptions: AtomicU64::new(u64::MAX),
+            preempted_at_ms: AtomicU64::new(0),
+            capacity_tokens: AtomicU64::new(0),
+            since_poll_tokens: AtomicU64::new(0),
+            max_model_len: AtomicU64::new(0),
+            chunk_tokens: AtomicU64::new(0),
+            warned_at_ms: AtomicU64::new(0),
+            ejections: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// The replica's identity: its reported id, or its address (`name`) when it reports none
+    /// or another replica already uses that id.
+    pub fn label(&self) -> &str {
+        self.label.get().map_or(self.name.as_str(), String::as_str)
+    }
+
+    /// Whether the label is settled (the first health check has run).
+    pub fn label_settled(&self) -> bool {
+        self.label.get().is_some()
+    }
+
+    /// Its metric handles (registering them, and settling the label, on first use).
+    pub fn metrics(&self) -> &ReplicaMetrics {
+        self.metrics.get_or_init(|| {
+            let _ = self.label.set(self.name.clone());
+            self.factory.replica(self.label(), &self.name)
+        })
+    }
+
+    /// Resolves when the replica is ejected after this call.
+    pub fn ejected(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.ejections.subscribe();
+        async move {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// The replica's context limit, once it said.
+    pub fn max_model_len(&self) -> Option<u64> {
+        Some(self.max_model_len.load(Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+
+    pub fn addr(&self) -> Option<SocketAddr> {
+        *self.addr.read()
+    }
+
+    /// Admitted by its health checks and still listed.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed) && !self.is_retired()
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+
+    /// Whether a request this gateway sent here, not yet answered, has `hash` as its prompt's
+    /// block `k`: that prefix is still being prefilled here.
+    pub fn computing(&self, k: usize, hash: u64) -> bool {
+        self.prefill.computing(k, hash)
+    }
+
+    /// Whether the KV event stream is connected and indexed (index exact for this replica):
+    /// not while an error (a block size that differs) keeps its events out.
+    pub fn events_live(&self) -> bool {
+        self.events_live.load(Ordering::Relaxed) && self.events_error.lock().is_none()
+    }
+
+    /// Why its KV events cannot be indexed, if they cannot.
+    pub fn events_error(&self) -> Option<String> {
+        self.events_error.lock().clone()
+    }
+
+    pub fn load(&self) -> LoadSignal {
+        let stale =
+            self.finished.load(Ordering::Relaxed) != self.finished_at_poll.load(Ordering::Relaxed);
+        let reported = |a: &AtomicU32| if stale { 0 } else { a.load(Ordering::Relaxed) };
+        LoadSignal {
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            waiting: reported(&self.waiting),
+            running: reported(&self.running),
+            kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+impl ReplicaHandle {
+    /// What placement knows of this replica's speed now: the learnt TTFT fit, the prefill
+    /// queued ahead, the decode step with one more sequence and the one its streams see now,
+    /// the chunk budget.
+    pub fn speed(&self) -> SpeedView {
+        let batch = self.load().requests() + 1;
+        let m = self.model.lock();
+        let (overhead_s, seconds_per_token) = m.ttft_coefficients();
+        let chunk = self.chunk_tokens.load(Ordering::Relaxed);
+        SpeedView {
+            overhead_s,
+            seconds_per_token,
+            queued_prefill_tokens: self.prefill.remaining(
+                Instant::now(),
+                overhead_s,
+                seconds_per_token,
+            ),
+            decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
+            current_step_s: m.current_step().map(|d| d.as_secs_f64()),
+            chunk_tokens: if chunk > 0 {
+                chunk
+            } else {
+                SpeedView::default().chunk_tokens
+            },
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! What a request is once it is prepared ([`Prepared`]): its endpoint, its prompt's size and
+//! block hashes, its session, and the body as it will be forwarded. The prepare stage makes
+//! one; every later stage reads it. Its own file so that the stages it passes through depend
+//! on it, not on the stage that made it.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::prefix::view::PromptBlocks;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::ChatCompletions => "chat_completions",
+        }
+    }
+}
+
+/// Who sends a request, as far as its prompt is concerned.
+#[derive(Debug, Clone, Default)]
+pub struct Caller {
+    pub session_id: Option<String>,
+    /// The tenant's cache scope: prefixed to the request's own `cache_salt`, so tenants never
+    /// share prefix blocks unless the policy groups them. `None`: the anonymous single tenant,
+    /// whose own salt passes through.
+    pub tenant_salt: Option<String>,
+}
+
+/// A parsed, tokenised, hashed request ready to route.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub endpoint: Endpoint,
+    pub stream: bool,
+    /// Prompt tokens of the whole request (summed over a batched prompt list): what routes
+    /// classify, budgets count and admission prices.
+    pub prompt_tokens: usize,
+    /// The longest single prompt of the request.
+    pub largest_prompt_tokens: usize,
+    /// Hashes of every full block of the (first) prompt (shared with the replica's prefill
+    /// queue while the request is unanswered, not copied).
+    pub hashes: Arc<[u64]>,
+    /// Leading blocks a replica could serve from cache (the last prompt token is always
+    /// computed).
+    pub cacheable: usize,
+    pub session_id: Option<String>,
+    pub tokenize_seconds: f64,
+    /// The body as it is forwarded: the client's `priority` removed, the tenant's salt in
+    /// `cache_salt`; [`Prepared::body_for`] adds the route's engine priority.
+    pub(crate) doc: Arc<serde_json::Map<String, Value>>,
+}
+
+#[derive(serde::Serialize)]
+struct Outgoing<'a> {
+    #[serde(flatten)]
+    doc: &'a serde_json::Map<String, Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    priority: Option<i32>,
+}
+
+impl Prepared {
+    /// The body to send upstream, with `engine_priority` as the body's `priority` (left out
+    /// when 0, which engines without priority scheduling require).
+    pub fn body_for(&self, engine_priority: i32) -> Bytes {
+        let out = Outgoing {
+            doc: &self.doc,
+            priority: (engine_priority != 0).then_some(engine_priority),
+        };
+        Bytes::from(serde_json::to_vec(&out).unwrap_or_default())
+    }
+
+    /// The prompt's blocks as the prefix index reads them.
+    pub fn blocks(&self) -> PromptBlocks<'_> {
+        PromptBlocks {
+            hashes: &self.hashes,
+            cacheable: self.cacheable,
+        }
+    }
+}
+
+/// Limits on the prompt, checked before and after tokenising.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptLimits {
+    /// Tokens of one prompt.
+    pub per_prompt: usize,
+    /// Tokens of a request, summed over a batched prompt list.
+    pub per_request: usize,
+}

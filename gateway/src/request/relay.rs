@@ -1,0 +1,400 @@
+//! Stage 6, relay: the answer's way to the client once its head has arrived. An unstreamed
+//! answer is written whole, its usage rewritten per the policy's hit signals. A stream is
+//! relayed event by event (the SSE reader is `sse.rs`) with a per-event idle deadline derived
+//! from the route's inter-token promise; chunks the replica has already sent go out in one
+//! write. A stream that ends without `[DONE]` — the replica died, stalled past the deadline,
+//! was ejected, or the gateway's drain ran out — gets an OpenAI error event and is counted as
+//! an error, not as a 200. On the way, the relay times the answer (TTFT, gaps) for the route's
+//! goodput and teaches the replica's latency model.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use pingora::http::ResponseHeader;
+use pingora::proxy::Session;
+use policies::RouteDecision;
+use protocol::ApiError;
+use serde_json::Value;
+
+use crate::access_log::AccessRecord;
+use crate::fleet::guards::PendingPrefill;
+use crate::fleet::replica::ReplicaHandle;
+use crate::metrics::GatewayMetrics;
+use crate::request::sse::{drain_ready, error_event, AnswerUsage, HitPolicy, SseTap};
+use crate::routes::admitted::Admitted;
+use crate::routes::goodput::Served;
+use crate::routes::store::ActiveRoute;
+
+/// What arrived before anything is written to the client.
+pub enum Head {
+    /// A stream and its first event(s).
+    Stream {
+        parts: http::response::Parts,
+        body: hyper::body::Incoming,
+        tap: SseTap,
+        first: Bytes,
+    },
+    /// A whole answer (any status).
+    Whole {
+        parts: http::response::Parts,
+        body: Bytes,
+    },
+}
+
+/// What the relay needs to time the answer and teach the replica's latency model.
+pub struct RelayCtx<'a> {
+    pub replica: &'a Arc<ReplicaHandle>,
+    pub route: &'a ActiveRoute,
+    pub d: &'a RouteDecision,
+    pub hits: HitPolicy,
+    /// When the client's request arrived.
+    pub started: Instant,
+    /// When it was sent to the replica.
+    pub sent_at: Instant,
+    pub uncached_tokens: u64,
+    /// Uncached prefill already queued at the replica when this one was sent.
+    pub ahead_tokens: u64,
+    pub pending: PendingPrefill,
+    pub admitted: &'a Admitted,
+    /// The client spoke HTTP/1.0 (no chunked encoding).
+    pub http10: bool,
+}
+
+/// The relay stage: it counts cut streams.
+pub struct Relay<'a> {
+    pub metrics: &'a GatewayMetrics,
+}
+
+impl Relay<'_> {
+    fn stream_error(&self, reason: &'static str) {
+        self.metrics
+            .counter("kvgate_gateway_stream_errors_total", &[("reason", reason)])
+            .increment(1);
+    }
+
+    /// Takes the answer whose head arrived to the client; returns the status the client got.
+    pub async fn relay(
+        &self,
+        session: &mut Session,
+        ctx: &mut RelayCtx<'_>,
+        head: Head,
+        ejected: &mut (impl std::future::Future<Output = ()> + Unpin),
+        aborted: &mut (impl std::future::Future<Output = ()> + Unpin),
+        rec: &mut AccessRecord,
+    ) -> u16 {
+        match head {
+            Head::Whole { parts, body } => self.write_whole(session, ctx, parts, body, rec).await,
+            Head::Stream {
+                parts,
+                body,
+                tap,
+                first,
+            } => {
+                let upstream = Upstream {
+                    parts,
+                    body,
+                    tap,
+                    first,
+                };
+                self.relay_stream(session, ctx, upstream, ejected, aborted, rec)
+                    .await
+            }
+        }
+    }
+
+    fn response_head(
+        &self,
+        ctx: &RelayCtx<'_>,
+        parts: &http::response::Parts,
+        content_length: Option<usize>,
+    ) -> Option<ResponseHeader> {
+        let mut h = ResponseHeader::build(parts.status, Some(10)).ok()?;
+        for name in ["content-type", "cache-control"] {
+            if let Some(v) = parts.headers.get(name) {
+                let _ = h.insert_header(name, v.clone());
+            }
+        }
+        match content_length {
+            Some(n) => {
+                let _ = h.insert_header("content-length", n.to_string());
+            }
+            // HTTP/1.0 knows no chunked encoding: the body ends when the connection closes.
+            None if ctx.http10 => {
+                let _ = h.insert_header("connection", "close");
+            }
+            None => {
+                let _ = h.insert_header("transfer-encoding", "chunked");
+            }
+        }
+        let upstream_id = parts
+            .headers
+            .get("x-kvgate-replica")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(ctx.replica.label())
+            .to_string();
+        let _ = h.insert_header("x-kvgate-replica", upstream_id);
+        let _ = h.insert_header("x-kvgate-upstream", ctx.replica.name.as_str());
+        let _ = h.insert_header("x-kvgate-route-reason", ctx.d.reason.label());
+        if let Some(b) = ctx.hits.matched_blocks_header(ctx.d.matched_blocks) {
+            let _ = h.insert_header("x-kvgate-matched-blocks", b);
+        }
+        let _ = h.insert_header("x-kvgate-route", ctx.route.cfg.name.as_str());
+        let _ = h.insert_header(
+            "x-kvgate-queue-ms",
+            ctx.admitted.queued.as_millis().to_string(),
+        );
+        Some(h)
+    }
+
+    /// An unstreamed answer: its usage rewritten per the hit policy, written whole.
+    async fn write_whole(
+        &self,
+        session: &mut Session,
+        ctx: &mut RelayCtx<'_>,
+        parts: http::response::Parts,
+        mut body: Bytes,
+        rec: &mut AccessRecord,
+    ) -> u16 {
+        let status = parts.status.as_u16();
+        let now = Instant::now();
+        ctx.pending.done();
+        let stats = &ctx.admitted.route().stats;
+        stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
+        let mut output_tokens = 1;
+        if status == 200 {
+            // Only the usage is read (the rest of the answer is skipped, not built); the
+            // answer is re-serialised only when the hit policy changes what it says.
+            if let Ok(a) = serde_json::from_slice::<AnswerUsage>(&body) {
+                let usage = a.usage.unwrap_or_default();
+                output_tokens = usage.completion_tokens.unwrap_or(1);
+                let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+                rec.cached_tokens = cached;
+                if cached.is_some_and(|c| ctx.hits.shown_tokens(c) != c) {
+                    if let Ok(mut v) = serde_json::from_slice::<Value>(&body) {
+                        ctx.hits.rewrite_usage(&mut v);
+                        body = Bytes::from(v.to_string());
+                    }
+                }
+            }
+        }
+        let Some(h) = self.response_head(ctx, &parts, Some(body.len())) else {
+            return status;
+        };
+        if session
+            .write_response_header(Box::new(h), false)
+            .await
+            .is_err()
+            || session.write_response_body(Some(body), true).await.is_err()
+        {
+            rec.error = Some("client_gone".into());
+            return 499;
+        }
+        let outcome = Served {
+            stream: false,
+            e2e: ctx.started.elapsed(),
+            output_tokens,
+            ..Served::default()
+        };
+        stats.e2e_seconds.record(outcome.e2e.as_secs_f64());
+        rec.output_tokens = Some(output_tokens);
+        rec.ttft_ms = Some((now - ctx.started).as_secs_f64() * 1e3);
+        if status == 200 {
+            let rt = ctx.admitted.route();
+            stats.finished(rt.now_s(), &outcome, &ctx.route.slo);
+        }
+        status
+    }
+
+    /// A stream: the first event(s), then event by event until `[DONE]` or a failure.
+    async fn relay_stream(
+        &self,
+        session: &mut Session,
+        ctx: &mut RelayCtx<'_>,
+        upstream: Upstream,
+        ejected: &mut (impl std::future::Future<Output = ()> + Unpin),
+        aborted: &mut (impl std::future::Future<Output = ()> + Unpin),
+        rec: &mut AccessRecord,
+    ) -> u16 {
+        let Upstream {
+            parts,
+            mut body,
+            mut tap,
+            first,
+        } = upstream;
+        let status = parts.status.as_u16();
+        let stats = &ctx.admitted.route().stats;
+        let Some(h) = self.response_head(ctx, &parts, None) else {
+            return status;
+        };
+        if session
+            .write_response_header(Box::new(h), false)
+            .await
+            .is_err()
+        {
+            rec.error = Some("client_gone".into());
+            return 499;
+        }
+        let idle = ctx.route.cfg.stream_idle_timeout();
+        let mut outcome = Served {
+            stream: true,
+            ..Served::default()
+        };
+        let mut last: Option<Instant> = None;
+        let idle_timer = tokio::time::sleep(idle);
+        tokio::pin!(idle_timer);
+        let mut next = Some(first);
+        // Chunks the replica had already sent when one is relayed go out with it, in one
+        // write; each still counts as an inter-token gap (of zero) for the timers.
+        let mut coalesced = 0usize;
+        // A frame other than data met while coalescing, handled on the next turn.
+        let mut stashed = None;
+        let cut: Option<(&'static str, String)> = loop {
+            if let Some(data) = next.take() {
+                let now = Instant::now();
+                match last {
+                    None => {
+                        ctx.pending.done();
+                        outcome.ttft = Some(now - ctx.started);
+                        stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
+                        ctx.replica.model.lock().observe_ttft(
+                            ctx.ahead_tokens,
+                            ctx.uncached_tokens,
+                            now - ctx.sent_at,
+                        );
+                        if let Some(predicted) = ctx.d.predicted_ttft_s().filter(|&p| p > 0.0) {
+                            let observed = (now - ctx.sent_at).as_secs_f64();
+                            ctx.replica
+                                .metrics()
+                                .ttft_prediction_ratio
+                                .record(observed / predicted);
+                            rec.predicted_ttft_ms = Some(predicted * 1e3);
+                        }
+                    }
+                    Some(prev) => {
+                        let batch = ctx.replica.load().requests().max(1);
+                        let mut model = ctx.replica.model.lock();
+                        let gaps = std::iter::once(now - prev)
+                            .chain(std::iter::repeat_n(Duration::ZERO, coalesced));
+                        for gap in gaps {
+                            outcome.gaps.push(gap);
+                            stats.inter_token_seconds.record(gap.as_secs_f64());
+                            model.observe_itl(batch, gap);
+                        }
+                    }
+                }
+                coalesced = 0;
+                last = Some(now);
+                if session
+                    .write_response_body(Some(data), false)
+                    .await
+                    .is_err()
+                {
+                    // Client gone: dropping `body` closes the upstream connection, and the
+                    // replica cancels the request.
+                    rec.error = Some("client_gone".into());
+                    return 499;
+                }
+            }
+            if tap.done {
+                break None;
+            }
+            // One idle timer for the whole stream, re-armed only when it fires early: a token
+            // costs no timer registration.
+            let frame = match stashed.take() {
+                Some(f) => f,
+                None => tokio::select! {
+                f = body.frame() => f,
+                _ = &mut idle_timer => {
+                    let quiet_since = last.unwrap_or(ctx.sent_at);
+                    if quiet_since.elapsed() >= idle {
+                        break Some(("idle_timeout", format!(
+                            "replica {} sent nothing for {} ms", ctx.replica.name, idle.as_millis())));
+                    }
+                    idle_timer.as_mut().reset((quiet_since + idle).into());
+                    continue;
+                }
+                _ = &mut *ejected => break Some(("replica_ejected", format!(
+                    "replica {} was ejected by its health checks mid-stream", ctx.replica.name))),
+                _ = &mut *aborted => break Some(("drain", "the gateway shut down before the answer was complete".to_string())),
+                },
+            };
+            match frame {
+                None => {
+                    break Some((
+                        "upstream_error",
+                        format!(
+                            "replica {} ended the stream before it was complete",
+                            ctx.replica.name
+                        ),
+                    ))
+                }
+                Some(Err(e)) => {
+                    break Some((
+                        "upstream_error",
+                        format!("replica {} broke off the stream: {e}", ctx.replica.name),
+                    ))
+                }
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        next = tap.feed(&d, &ctx.hits);
+                    }
+                    if next.is_some() && !tap.done {
+                        let (joined, n, other) =
+                            drain_ready(&mut body, &mut tap, &ctx.hits, next.take()).await;
+                        next = joined;
+                        coalesced = n;
+                        stashed = other;
+                    }
+                }
+            }
+        };
+        outcome.output_tokens = tap.completion_tokens.unwrap_or(tap.choice_events);
+        rec.cached_tokens = tap.cached_tokens;
+        rec.output_tokens = Some(outcome.output_tokens);
+        rec.ttft_ms = outcome.ttft.map(|t| t.as_secs_f64() * 1e3);
+        let rt = ctx.admitted.route();
+        let result = match cut {
+            None if !tap.saw_error => {
+                let _ = session.write_response_body(None, true).await;
+                stats.finished(rt.now_s(), &outcome, &ctx.route.slo);
+                status
+            }
+            None => {
+                // The replica reported its own error event and ended the stream.
+                self.stream_error("upstream_error");
+                rec.error = Some("the replica reported an error mid-stream".into());
+                let _ = session.write_response_body(None, true).await;
+                rt.stats.failed(rt.now_s());
+                502
+            }
+            Some((reason, message)) => {
+                tracing::warn!(replica = %ctx.replica.name, reason, "stream cut; sending an error event");
+                self.stream_error(reason);
+                rec.error = Some(message.clone());
+                if !tap.saw_error {
+                    let e = ApiError::new(502, "upstream_error", message).with_code(reason);
+                    let _ = session
+                        .write_response_body(Some(error_event(&e)), false)
+                        .await;
+                }
+                let _ = session.write_response_body(None, true).await;
+                rt.stats.failed(rt.now_s());
+                502
+            }
+        };
+        stats
+            .e2e_seconds
+            .record(ctx.started.elapsed().as_secs_f64());
+        result
+    }
+}
+
+/// A stream whose first event(s) arrived.
+struct Upstream {
+    parts: http::response::Parts,
+    body: hyper::body::Incoming,
+    tap: SseTap,
+    first: Bytes,
+}
