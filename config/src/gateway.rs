@@ -190,6 +190,19 @@ pub struct HealthConfig {
     /// Consecutive passed checks before an ejected replica is readmitted.
     #[serde(default = "default_successes")]
     pub successes_to_readmit: u32,
+    /// Outlier detection (as Envoy's): unusable answers in a row (a 5xx, a body that is not
+    /// JSON, a stream that is not SSE or breaks its promises, a stall) that eject a replica.
+    #[serde(default = "default_outlier_errors")]
+    pub outlier_consecutive_errors: u32,
+    /// How long an outlier stays ejected the first time; each further ejection adds as much
+    /// again, up to `outlier_max_ejection_ms`. Health checks readmit it only after that.
+    #[serde(default = "default_outlier_ejection")]
+    pub outlier_ejection_ms: u64,
+    #[serde(default = "default_outlier_max_ejection")]
+    pub outlier_max_ejection_ms: u64,
+    /// Most of the listed replicas outlier detection may hold out at once (one always may).
+    #[serde(default = "default_outlier_percent")]
+    pub outlier_max_ejected_percent: u32,
 }
 
 impl Default for HealthConfig {
@@ -199,6 +212,10 @@ impl Default for HealthConfig {
             timeout_ms: default_health_timeout(),
             failures_to_eject: default_failures(),
             successes_to_readmit: default_successes(),
+            outlier_consecutive_errors: default_outlier_errors(),
+            outlier_ejection_ms: default_outlier_ejection(),
+            outlier_max_ejection_ms: default_outlier_max_ejection(),
+            outlier_max_ejected_percent: default_outlier_percent(),
         }
     }
 }
@@ -218,6 +235,12 @@ pub struct IndexConfig {
     /// Approximate blocks remembered per replica.
     #[serde(default = "default_approx_capacity")]
     pub approx_capacity_blocks: usize,
+    /// Blocks a replica's KV events may hold in the index while it has not reported its cache
+    /// size; once it has (`max_total_num_tokens`), its cap is that size plus a quarter. Past
+    /// the cap the oldest are dropped and the overflow is counted: a publisher that never
+    /// removes cannot grow the gateway's memory without bound.
+    #[serde(default = "default_max_blocks")]
+    pub max_blocks_per_replica: usize,
 }
 
 impl Default for IndexConfig {
@@ -227,6 +250,7 @@ impl Default for IndexConfig {
             approx_ttl_s: default_approx_ttl(),
             speculative_ttl_s: default_spec_ttl(),
             approx_capacity_blocks: default_approx_capacity(),
+            max_blocks_per_replica: default_max_blocks(),
         }
     }
 }
@@ -251,6 +275,20 @@ pub struct UpstreamConfig {
     /// Replica load polled this often (`/get_load`).
     #[serde(default = "default_load_poll")]
     pub load_poll_ms: u64,
+    /// Longest pause within an unstreamed answer's body (and any other body a replica sends)
+    /// once its head arrived: past it the answer is given up on (504, retried elsewhere).
+    #[serde(default = "default_body_idle")]
+    pub body_idle_timeout_ms: u64,
+    /// Largest unstreamed answer held (502 past it).
+    #[serde(default = "default_response_limit")]
+    pub max_response_bytes: usize,
+    /// Largest stream relayed: a replica that keeps sending is cut off with an error event.
+    #[serde(default = "default_stream_limit")]
+    pub max_stream_bytes: u64,
+    /// Token events a stream may send past the request's `max_tokens` (times `n`) before it
+    /// is cut off (some engines send a last event or two without new tokens).
+    #[serde(default = "default_token_slack")]
+    pub stream_token_slack: u64,
 }
 
 impl Default for UpstreamConfig {
@@ -262,6 +300,10 @@ impl Default for UpstreamConfig {
             retry_backoff_ms: default_backoff(),
             max_body_bytes: default_body_limit(),
             load_poll_ms: default_load_poll(),
+            body_idle_timeout_ms: default_body_idle(),
+            max_response_bytes: default_response_limit(),
+            max_stream_bytes: default_stream_limit(),
+            stream_token_slack: default_token_slack(),
         }
     }
 }
@@ -365,6 +407,33 @@ fn default_body_limit() -> usize {
 }
 fn default_load_poll() -> u64 {
     250
+}
+fn default_body_idle() -> u64 {
+    10_000
+}
+fn default_response_limit() -> usize {
+    32 << 20
+}
+fn default_stream_limit() -> u64 {
+    256 << 20
+}
+fn default_token_slack() -> u64 {
+    16
+}
+fn default_outlier_errors() -> u32 {
+    5
+}
+fn default_outlier_ejection() -> u64 {
+    30_000
+}
+fn default_outlier_max_ejection() -> u64 {
+    300_000
+}
+fn default_outlier_percent() -> u32 {
+    50
+}
+fn default_max_blocks() -> usize {
+    1 << 20
 }
 fn default_header_timeout() -> u64 {
     10_000

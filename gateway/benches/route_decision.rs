@@ -52,7 +52,7 @@ struct Gateway {
 fn router(tok: Arc<TextTokenizer>) -> Gateway {
     let names: Vec<String> = (0..8).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect();
     let cfg = GatewayConfig::with_replicas(names);
-    let index = Arc::new(PrefixIndex::new(100_000));
+    let index = Arc::new(PrefixIndex::new(100_000, 1 << 20));
     let metrics = Arc::new(GatewayMetrics::new());
     let registry = Arc::new(Registry::new(
         &cfg,

@@ -100,7 +100,12 @@ pub async fn admin_handle(
             .insert("www-authenticate", http::HeaderValue::from_static("Bearer"));
         return Ok(r);
     }
-    let resp = match (method.as_str(), path.as_str()) {
+    // HEAD is answered wherever GET is (hyper leaves the body out).
+    let verb = match method.as_str() {
+        "HEAD" => "GET",
+        m => m,
+    };
+    let resp = match (verb, path.as_str()) {
         ("GET", "/metrics") => Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
             .body(Full::new(Bytes::from(state.metrics.render())))

@@ -43,6 +43,8 @@ pub struct GatewayMetrics {
     pub route_seconds: Histogram,
     pub index_blocks: Gauge,
     pub index_bytes: Gauge,
+    /// Token ids the tokeniser's segment cache holds (its byte budget's measure).
+    pub tokenizer_cache_bytes: Gauge,
     pub retries: Counter,
     pub policy_generation: Gauge,
     pub policy_last_reload_ok: Gauge,
@@ -138,6 +140,18 @@ impl GatewayMetrics {
         describe_counter(
             "kvgate_gateway_retries_total",
             "Requests re-sent to another replica",
+        );
+        describe_counter(
+            "kvgate_gateway_upstream_errors_total",
+            "Unusable answers from a replica, by reason (5xx, not JSON, not SSE, bad event, past max_tokens or a size cap, stall)",
+        );
+        describe_counter(
+            "kvgate_gateway_outlier_ejections_total",
+            "Replicas ejected by outlier detection (unusable answers in a row)",
+        );
+        describe_counter(
+            "kvgate_gateway_prefix_index_evicted_total",
+            "Blocks dropped from the prefix index because a replica reported more than it can hold",
         );
         for (name, help) in [
             (
@@ -279,6 +293,10 @@ impl GatewayMetrics {
             "kvgate_gateway_prefix_index_bytes",
             "Estimated memory of the prefix index",
         );
+        describe_gauge(
+            "kvgate_gateway_tokenizer_cache_bytes",
+            "Bytes the tokeniser's segment cache holds (token ids and entry overhead)",
+        );
         GatewayMetrics {
             tokenize_seconds: h(
                 "kvgate_gateway_tokenize_seconds",
@@ -292,6 +310,10 @@ impl GatewayMetrics {
                 .register_gauge(&Key::from_name("kvgate_gateway_prefix_index_blocks"), &META),
             index_bytes: recorder
                 .register_gauge(&Key::from_name("kvgate_gateway_prefix_index_bytes"), &META),
+            tokenizer_cache_bytes: recorder.register_gauge(
+                &Key::from_name("kvgate_gateway_tokenizer_cache_bytes"),
+                &META,
+            ),
             retries: recorder
                 .register_counter(&Key::from_name("kvgate_gateway_retries_total"), &META),
             policy_generation: recorder
@@ -351,6 +373,23 @@ impl GatewayMetrics {
                 &META,
             ),
         }
+    }
+
+    /// A counter of one replica (its label and address, as its other series carry them).
+    pub fn replica_counter(
+        &self,
+        name: &'static str,
+        label: &str,
+        address: &str,
+        extra: &[(&'static str, &'static str)],
+    ) -> Counter {
+        let mut labels = vec![
+            Label::new("replica", label.to_string()),
+            Label::new("address", address.to_string()),
+        ];
+        labels.extend(extra.iter().map(|(k, v)| Label::new(*k, *v)));
+        self.recorder
+            .register_counter(&Key::from_parts(name, labels), &META)
     }
 
     pub fn request(&self, endpoint: &'static str, status: u16) {

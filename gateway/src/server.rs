@@ -22,6 +22,7 @@ use tokio::sync::{watch, Semaphore};
 use crate::access_log::AccessLog;
 use crate::admin::admin_handle;
 use crate::fleet::client::http_client;
+use crate::fleet::client::UpstreamLimits;
 use crate::fleet::discovery::{resolve, Discovery};
 use crate::fleet::registry::Registry;
 use crate::http::auth::{
@@ -33,7 +34,6 @@ use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::view::PrefixView;
-use crate::request::forward::UpstreamLimits;
 use crate::request::prepare::{Preparer, Tokenizers};
 use crate::routes::store::PolicyStore;
 use crate::state::GatewayState;
@@ -110,7 +110,10 @@ pub async fn build_gateway(
     let access_log = AccessLog::new(&cfg.access_log)
         .map_err(|e| GatewayError::AccessLog(cfg.access_log.path.clone(), e))?;
     let client = http_client(Duration::from_millis(cfg.upstream.connect_timeout_ms));
-    let index = Arc::new(PrefixIndex::new(cfg.index.approx_capacity_blocks));
+    let index = Arc::new(PrefixIndex::new(
+        cfg.index.approx_capacity_blocks,
+        cfg.index.max_blocks_per_replica,
+    ));
     let metrics = Arc::new(GatewayMetrics::new());
     let registry = Arc::new(Registry::new(
         &cfg,
@@ -164,6 +167,10 @@ pub async fn build_gateway(
             retries: cfg.upstream.retries,
             retry_backoff: Duration::from_millis(cfg.upstream.retry_backoff_ms),
             first_byte_timeout: Duration::from_secs(cfg.upstream.first_byte_timeout_s),
+            body_idle_timeout: Duration::from_millis(cfg.upstream.body_idle_timeout_ms),
+            max_response_bytes: cfg.upstream.max_response_bytes,
+            max_stream_bytes: cfg.upstream.max_stream_bytes,
+            stream_token_slack: cfg.upstream.stream_token_slack,
         },
         session_header: cfg.session_header.to_ascii_lowercase(),
         policies,
@@ -181,6 +188,8 @@ pub async fn build_gateway(
             let reg = &s.fleet;
             m.index_blocks.set(reg.index.len() as f64);
             m.index_bytes.set(reg.index.size_bytes() as f64);
+            let cache = s.tokenizers.preparer.cache_stats();
+            m.tokenizer_cache_bytes.set(cache.bytes as f64);
             // Series appear once a replica's label is settled (its first health check).
             for r in reg
                 .replicas()

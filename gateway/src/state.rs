@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::access_log::AccessLog;
+use crate::fleet::client::UpstreamLimits;
 use crate::fleet::discovery::Discovery;
 use crate::fleet::registry::Registry;
 use crate::http::auth::ApiKeyStore;
@@ -17,7 +18,7 @@ use crate::membership::{GatewayFile, Membership};
 use crate::metrics::GatewayMetrics;
 use crate::prefix::view::PrefixView;
 use crate::request::admit::Admitter;
-use crate::request::forward::{Forwarder, UpstreamLimits};
+use crate::request::forward::Forwarder;
 use crate::request::place::Placer;
 use crate::request::prepare::Tokenizers;
 use crate::routes::store::PolicyStore;

@@ -13,6 +13,7 @@ pub mod hashing;
 pub mod kv_events;
 pub mod openai;
 pub mod openai_fields;
+pub mod openai_tools;
 pub mod segment_cache;
 pub mod slo;
 pub mod sse;

@@ -304,6 +304,9 @@ impl ChatCompletionRequest {
                 ApiError::invalid_request("messages must not be empty").with_param("messages")
             );
         }
+        if let Some(tools) = &self.tools {
+            crate::openai_tools::validate_tools(tools)?;
+        }
         Ok(())
     }
 

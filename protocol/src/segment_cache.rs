@@ -10,15 +10,22 @@
 //! tokenizer whose special tokens do, [`SegmentCache::encode`] falls back to whole-prompt
 //! encoding.
 //!
-//! Keys are 128-bit xxh3 hashes of the segment text (a collision is a 2^-128 event), values the
-//! ids; eviction is least-recently-used within a byte budget.
+//! Keys are 128-bit xxh3 hashes of the segment text (a collision is a 2^-128 event), seeded by
+//! the caller's cache scope, values the ids; eviction is least-recently-used within a byte
+//! budget.
+//!
+//! **Scoped like the KV cache.** A cache hit is faster than a miss (a 29k-token message
+//! tokenises in well under a millisecond instead of tens), so a cache shared by tenants would
+//! let one tenant confirm a guess of another's exact message by timing. The gateway passes the
+//! request's cache salt (its tenant's scope, as the KV cache's root hash is salted), so a
+//! segment is reused only within the scope that tokenised it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use parking_lot::Mutex;
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
 
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 
@@ -94,8 +101,21 @@ impl SegmentCache {
     }
 
     /// Encodes rendered chat text without adding special tokens (the template placed them);
-    /// identical to `tok.encode(text, false)`.
+    /// identical to `tok.encode(text, false)`. Uses the unscoped part of the cache (a single
+    /// tenant's).
     pub fn encode(&self, tok: &TextTokenizer, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_scoped(tok, text, None)
+    }
+
+    /// [`SegmentCache::encode`] within `scope` (a tenant's cache salt): only segments this scope
+    /// tokenised before are reused.
+    pub fn encode_scoped(
+        &self,
+        tok: &TextTokenizer,
+        text: &str,
+        scope: Option<&str>,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let seed = scope.map_or(0, |s| xxh3_64(s.as_bytes()));
         let Some((ac, ids)) = &self.splitter else {
             return tok.encode(text, false);
         };
@@ -103,13 +123,13 @@ impl SegmentCache {
         let mut at = 0;
         for m in ac.find_iter(text) {
             if m.start() > at {
-                self.encode_segment(tok, &text[at..m.start()], &mut out)?;
+                self.encode_segment(tok, &text[at..m.start()], seed, &mut out)?;
             }
             out.push(ids[m.pattern().as_usize()]);
             at = m.end();
         }
         if at < text.len() {
-            self.encode_segment(tok, &text[at..], &mut out)?;
+            self.encode_segment(tok, &text[at..], seed, &mut out)?;
         }
         Ok(out)
     }
@@ -118,13 +138,14 @@ impl SegmentCache {
         &self,
         tok: &TextTokenizer,
         seg: &str,
+        seed: u64,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizerError> {
         if seg.len() < MIN_CACHED_BYTES {
             out.extend(tok.encode(seg, false)?);
             return Ok(());
         }
-        let key = xxh3_128(seg.as_bytes());
+        let key = xxh3_128_with_seed(seg.as_bytes(), seed);
         {
             let mut l = self.lru.lock();
             l.clock += 1;

@@ -110,6 +110,35 @@ fn segmented_encoding_equals_whole_prompt_and_reuses_turns() {
     assert_eq!(IDS.to_vec(), cache.encode(&tok, RENDERED).unwrap());
 }
 
+/// One tenant's segments are never another's cache hit (a hit is measurably faster, so a
+/// shared cache would let a tenant confirm a guess of another's message by timing).
+#[test]
+fn segment_cache_is_scoped_by_tenant() {
+    use protocol::segment_cache::SegmentCache;
+    let tok = qwen3();
+    let cache = SegmentCache::new(&tok, 1 << 20);
+    let text = "<|im_start|>user\nTenant A's confidential quarterly figures: revenue 12.3 million, margin 41 percent<|im_end|>\n";
+    let ids = tok.encode(text, false).unwrap();
+    let a = Some("kvgate-tenant:a");
+    let b = Some("kvgate-tenant:b");
+    assert_eq!(cache.encode_scoped(&tok, text, a).unwrap(), ids);
+    let after_a = cache.stats();
+    assert_eq!(cache.encode_scoped(&tok, text, b).unwrap(), ids);
+    let after_b = cache.stats();
+    assert_eq!(
+        after_b.hits, after_a.hits,
+        "tenant B must miss what A tokenised"
+    );
+    assert_eq!(cache.encode(&tok, text).unwrap(), ids);
+    assert_eq!(
+        cache.stats().hits,
+        after_b.hits,
+        "nor may the unscoped tenant hit it"
+    );
+    assert_eq!(cache.encode_scoped(&tok, text, a).unwrap(), ids);
+    assert!(cache.stats().hits > after_b.hits, "tenant A hits its own");
+}
+
 #[test]
 fn segment_cache_stays_within_its_byte_budget() {
     use protocol::segment_cache::SegmentCache;

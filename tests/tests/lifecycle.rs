@@ -2,6 +2,9 @@
 //! ends with an error event (never as a success), a stalled replica is given up on, a request
 //! waiting on a replica that gets ejected is retried elsewhere, a client that leaves cancels
 //! its unstreamed request, SIGTERM drains, and a broken policy file never replaces a good one.
+//! A replica's answer is not trusted either: garbage is a 502 (retried elsewhere while nothing
+//! reached the client), a stream that breaks its promises is cut with an error event, a body
+//! that stalls is given up on, and a replica that keeps answering unusably is ejected.
 
 mod common;
 
@@ -262,4 +265,131 @@ async fn an_empty_truncated_or_reused_version_policy_file_is_refused() {
     let active = gw.admin_json("/admin/policy").await;
     assert_eq!(active["version"], "v2");
     assert_eq!(active["routes"][0]["slo"]["ttft_ms"], 800);
+}
+
+fn chat_body(stream: bool, max_tokens: u32) -> Value {
+    json!({
+        "model": "Qwen3-8B",
+        "messages": [{"role": "user", "content": "Tell me about paged KV caches."}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+/// The `code` of an OpenAI error body or error event.
+fn error_code(v: &Value) -> String {
+    v["error"]["code"].as_str().unwrap_or_default().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_from_the_only_replica_is_a_502_never_a_200() {
+    for (mode, stream, code) in [
+        (FakeMode::NotJson, false, "upstream_error"),
+        (FakeMode::Html, true, "upstream_error"),
+        (FakeMode::Html, false, "upstream_error"),
+    ] {
+        let fake = FakeReplica::start(mode).await;
+        let gw = start_gateway_at(std::slice::from_ref(&fake.addr), |_| {}).await;
+        let r = gw.post("/v1/chat/completions", chat_body(stream, 8)).await;
+        assert_eq!(r.status(), 502, "{mode:?} stream={stream}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(error_code(&v), code, "{v}");
+        let text = gw.metrics_text().await;
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("kvgate_gateway_upstream_errors_total")
+                    && (l.contains("reason=\"not_json\"") || l.contains("reason=\"not_sse\""))),
+            "counted per replica with its reason: {mode:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_answering_garbage_is_ejected_and_its_requests_served_elsewhere() {
+    let bad = FakeReplica::start(FakeMode::NotJson).await;
+    let good = FakeReplica::start(FakeMode::Stream { tokens: 3 }).await;
+    let gw = start_gateway_at(&[bad.addr.clone(), good.addr.clone()], |c| {
+        c.policy = config::PolicyConfig::RoundRobin;
+        c.health.outlier_consecutive_errors = 3;
+    })
+    .await;
+    for i in 0..12 {
+        let r = gw.post("/v1/chat/completions", chat_body(false, 3)).await;
+        assert_eq!(
+            r.status(),
+            200,
+            "request {i} was retried on the good replica"
+        );
+    }
+    assert_eq!(
+        gw.metric("kvgate_gateway_outlier_ejections_total").await,
+        1.0
+    );
+    let sent_bad = bad.bodies().len();
+    assert_eq!(
+        sent_bad, 3,
+        "after 3 garbage answers in a row nothing more went there"
+    );
+    let replicas = gw.admin_json("/admin/replicas").await;
+    let b = replicas
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == bad.addr)
+        .unwrap();
+    assert_eq!(b["healthy"], false, "ejected, though its /health answers");
+    // Its health checks pass, but they cannot readmit it within the ejection.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = gw.post("/v1/chat/completions", chat_body(false, 3)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(bad.bodies().len(), sent_bad);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_max_tokens_or_with_a_bad_event_is_cut() {
+    let fake = FakeReplica::start(FakeMode::Endless).await;
+    let gw = start_gateway_at(std::slice::from_ref(&fake.addr), |_| {}).await;
+    let started = Instant::now();
+    let r = gw.post("/v1/chat/completions", chat_body(true, 16)).await;
+    assert_eq!(r.status(), 200);
+    let (events, done) = read_stream(r).await;
+    assert!(!done, "never [DONE]");
+    let last = events.last().unwrap();
+    assert_eq!(error_code(last), "too_many_tokens", "{last}");
+    let tokens = events.iter().filter(|e| e.get("choices").is_some()).count();
+    assert!(
+        (16..=33).contains(&tokens),
+        "{tokens} token events for max_tokens 16"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    fake.set_mode(FakeMode::BadEvent { tokens: 2 });
+    let r = gw.post("/v1/chat/completions", chat_body(true, 16)).await;
+    let (events, done) = read_stream(r).await;
+    assert!(!done);
+    assert_eq!(
+        error_code(events.last().unwrap()),
+        "bad_event",
+        "{events:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_shorter_than_its_length_is_given_up_on_at_the_body_deadline() {
+    let fake = FakeReplica::start(FakeMode::ShortBody).await;
+    let gw = start_gateway_at(std::slice::from_ref(&fake.addr), |c| {
+        c.upstream.body_idle_timeout_ms = 300;
+        c.upstream.retries = 0;
+    })
+    .await;
+    let started = Instant::now();
+    let r = gw.post("/v1/chat/completions", chat_body(false, 8)).await;
+    assert_eq!(r.status(), 504);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(error_code(&v), "upstream_timeout", "{v}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 }

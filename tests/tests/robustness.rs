@@ -294,3 +294,78 @@ async fn busy_tokenisers_shed_with_429() {
         "one tokeniser, no wait: {statuses:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_whole_before_a_half_close_is_answered() {
+    // A slow replica (4x the modelled step), so the answer comes well after the half-close.
+    let r = start_replica(|c| c.time_scale = 4.0).await;
+    let gw = start_gateway(&[&r], |_| {}).await;
+    for stream in [false, true] {
+        let body = json!({
+            "model": "Qwen3-8B",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 8,
+            "ignore_eos": true,
+            "stream": stream,
+        })
+        .to_string();
+        let mut s = TcpStream::connect(gw.addr()).await.unwrap();
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        s.shutdown().await.unwrap(); // nc -N: no more to send, still listening
+        let answer = read_all(&mut s, Duration::from_secs(20)).await;
+        // An interim 100 Continue (which HTTP/1.1 clients skip) may come first.
+        let last = answer
+            .match_indices("HTTP/1.1 ")
+            .last()
+            .map(|(i, _)| &answer[i..])
+            .unwrap_or("");
+        assert!(
+            last.starts_with("HTTP/1.1 200"),
+            "stream={stream}: {answer}"
+        );
+        let done = if stream {
+            "data: [DONE]"
+        } else {
+            "\"choices\""
+        };
+        assert!(last.contains(done), "stream={stream}: {answer}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_tools_are_refused_naming_the_field_and_head_is_answered_like_get() {
+    let r = start_replica(|_| {}).await;
+    let gw = start_gateway(&[&r], |_| {}).await;
+    for (tools, param) in [
+        (json!([1]), "tools[0]"),
+        (
+            json!([{"type": "function", "function": {"description": "no name"}}]),
+            "tools[0].function.name",
+        ),
+    ] {
+        let resp = gw
+            .post(
+                "/v1/chat/completions",
+                json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "hi"}],
+                       "tools": tools, "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(resp.status(), 400);
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    for url in [
+        format!("{}/health", gw.base),
+        format!("{}/v1/models", gw.base),
+        format!("{}/admin/policy", gw.admin),
+        format!("{}/admin/replicas", gw.admin),
+        format!("{}/metrics", gw.admin),
+    ] {
+        let resp = gw.client.head(&url).send().await.unwrap();
+        assert_eq!(resp.status(), 200, "HEAD {url}");
+    }
+}

@@ -157,6 +157,49 @@ impl GatewayConfig {
             "must be at most 8",
         );
         v.check(
+            self.health.outlier_consecutive_errors >= 1,
+            "health.outlier_consecutive_errors",
+            self.health.outlier_consecutive_errors,
+            "must be at least 1",
+        );
+        v.check(
+            self.health.outlier_ejection_ms >= 100
+                && self.health.outlier_max_ejection_ms >= self.health.outlier_ejection_ms,
+            "health.outlier_ejection_ms",
+            self.health.outlier_ejection_ms,
+            "must be at least 100 and at most health.outlier_max_ejection_ms",
+        );
+        v.check(
+            self.health.outlier_max_ejected_percent <= 100,
+            "health.outlier_max_ejected_percent",
+            self.health.outlier_max_ejected_percent,
+            "must be at most 100",
+        );
+        v.check(
+            self.upstream.body_idle_timeout_ms >= 100,
+            "upstream.body_idle_timeout_ms",
+            self.upstream.body_idle_timeout_ms,
+            "must be at least 100",
+        );
+        v.check(
+            self.upstream.max_response_bytes >= 4096,
+            "upstream.max_response_bytes",
+            self.upstream.max_response_bytes,
+            "must be at least 4096",
+        );
+        v.check(
+            self.upstream.max_stream_bytes >= 4096,
+            "upstream.max_stream_bytes",
+            self.upstream.max_stream_bytes,
+            "must be at least 4096",
+        );
+        v.check(
+            self.index.max_blocks_per_replica >= 1024,
+            "index.max_blocks_per_replica",
+            self.index.max_blocks_per_replica,
+            "must be at least 1024",
+        );
+        v.check(
             self.upstream.load_poll_ms >= 10,
             "upstream.load_poll_ms",
             self.upstream.load_poll_ms,

@@ -1,5 +1,6 @@
 //! How the gateway talks to its replicas: one pooled keep-alive HTTP client (connect timeout,
-//! no Nagle) and the fleet token every request to a replica carries.
+//! no Nagle), the fleet token every request to a replica carries, and the limits on what a
+//! replica may make the gateway wait for or hold ([`UpstreamLimits`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -21,6 +22,25 @@ pub fn http_client(connect_timeout: Duration) -> HttpClient {
         .build(conn)
 }
 
+/// The gateway file's limits on talking to a replica.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamLimits {
+    /// Further attempts after the first fails before anything reached the client.
+    pub retries: u32,
+    /// Wait before retry `n`: `n` times this.
+    pub retry_backoff: Duration,
+    /// How long a replica may take to send the first event or the answer's head.
+    pub first_byte_timeout: Duration,
+    /// Longest pause inside a body once its head arrived.
+    pub body_idle_timeout: Duration,
+    /// Largest unstreamed answer held.
+    pub max_response_bytes: usize,
+    /// Largest stream relayed.
+    pub max_stream_bytes: u64,
+    /// Token events allowed past `max_tokens` × choices.
+    pub stream_token_slack: u64,
+}
+
 /// Why a GET to a replica brought nothing back (said to the operator as it is).
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
@@ -35,7 +55,13 @@ pub enum FetchError {
     },
     #[error("{path} did not answer within {timeout:?}")]
     Timeout { path: String, timeout: Duration },
+    #[error("{path} answered more than {limit} bytes")]
+    TooLarge { path: String, limit: usize },
 }
+
+/// Largest answer a probe (`/health`, `/server_info`, `/v1/models`, `/get_load`, `/metrics`)
+/// may send: a replica that sends more is broken, and must not grow the gateway's memory.
+pub const MAX_PROBE_BYTES: usize = 4 << 20;
 
 /// The pooled client with the fleet's credentials.
 #[derive(Clone)]
@@ -102,11 +128,20 @@ impl FleetClient {
                     status: resp.status(),
                 });
             }
-            resp.into_body()
+            http_body_util::Limited::new(resp.into_body(), MAX_PROBE_BYTES)
                 .collect()
                 .await
                 .map(|c| c.to_bytes())
-                .map_err(|e| FetchError::Transport(e.to_string()))
+                .map_err(|e| {
+                    if e.is::<http_body_util::LengthLimitError>() {
+                        FetchError::TooLarge {
+                            path: path.to_string(),
+                            limit: MAX_PROBE_BYTES,
+                        }
+                    } else {
+                        FetchError::Transport(e.to_string())
+                    }
+                })
         };
         tokio::time::timeout(timeout, fut)
             .await

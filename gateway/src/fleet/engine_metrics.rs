@@ -14,6 +14,20 @@ pub struct EngineLoad {
     pub waiting: u32,
     pub kv_usage: f64,
     pub preemptions: Option<u64>,
+    /// The KV cache's size in blocks (`vllm:cache_config_info`'s `num_gpu_blocks` label).
+    pub num_gpu_blocks: Option<u64>,
+}
+
+/// The value of `label` on the first sample of `name`.
+fn label_of(text: &str, name: &str, label: &str) -> Option<String> {
+    let line = text
+        .lines()
+        .find(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{')))?;
+    let labels = &line[name.len() + 1..line.rfind('}')?];
+    let key = format!("{label}=\"");
+    let at = labels.find(&key)? + key.len();
+    let end = labels[at..].find('"')?;
+    Some(labels[at..at + end].to_string())
 }
 
 /// The value of every sample of `name` (any labels), summed; `None` when there is none.
@@ -64,6 +78,8 @@ pub fn parse_vllm(text: &str) -> Option<EngineLoad> {
         waiting: waiting.unwrap_or(0.0) as u32,
         kv_usage: kv.unwrap_or(0.0).clamp(0.0, 1.0),
         preemptions: sum(text, "vllm:num_preemptions_total").map(|p| p as u64),
+        num_gpu_blocks: label_of(text, "vllm:cache_config_info", "num_gpu_blocks")
+            .and_then(|v| v.parse().ok()),
     })
 }
 
@@ -105,5 +121,14 @@ vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 12.0
         assert!((l.kv_usage - 0.5).abs() < 1e-9);
         assert_eq!(l.preemptions, None);
         assert_eq!(parse_vllm("kvgate_replica_running 3\n"), None);
+        assert_eq!(l.num_gpu_blocks, None);
+    }
+
+    #[test]
+    fn reads_the_cache_size_from_the_cache_config_labels() {
+        let page = format!(
+            "{PAGE}# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"32\",cache_dtype=\"auto\",num_gpu_blocks=\"3519\",prefix_caching_hash_algo=\"sha256\"}} 1.0\n"
+        );
+        assert_eq!(parse_vllm(&page).unwrap().num_gpu_blocks, Some(3519));
     }
 }

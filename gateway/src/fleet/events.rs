@@ -28,6 +28,29 @@ impl EventSink for ReplicaHandle {
             *e = error;
         }
     }
+
+    fn overflowed(&self, evicted: usize) {
+        self.factory
+            .replica_counter(
+                "kvgate_gateway_prefix_index_evicted_total",
+                self.label(),
+                &self.name,
+                &[],
+            )
+            .increment(evicted as u64);
+        let before = self.evicted.fetch_add(evicted as u64, Ordering::Relaxed);
+        let after = before + evicted as u64;
+        // Said once per tenfold: a flood is named without flooding the log.
+        let decade = |n: u64| if n == 0 { 0 } else { n.ilog10() + 1 };
+        if decade(after) > decade(before) {
+            tracing::warn!(
+                replica = %self.name,
+                evicted_total = after,
+                "the replica reports more KV blocks than its cache holds; the oldest are dropped \
+                 from the prefix index (does its event publisher report its removals?)"
+            );
+        }
+    }
 }
 
 /// Why a kvgate replica's event stream stopped (the follower reconnects and starts over).
@@ -95,7 +118,10 @@ impl Registry {
                 }
                 expected = Some(seq + 1);
                 for ev in &batch.events {
-                    self.index.apply(r.slot, ev);
+                    let evicted = self.index.apply(r.slot, ev);
+                    if evicted > 0 {
+                        r.overflowed(evicted);
+                    }
                 }
                 r.events_live.store(true, Ordering::Relaxed);
             }

@@ -21,7 +21,11 @@ impl Registry {
             // The first pass admits a replica that was never seen; a previously ejected one
             // needs `successes_to_readmit` in a row.
             let never_seen = oks == 1 && r.fails.load(Ordering::Relaxed) == 0;
-            if !r.is_healthy() && (oks >= h.successes_to_readmit || never_seen) {
+            if !r.is_healthy()
+                && (oks >= h.successes_to_readmit || never_seen)
+                && !self.outlier_held(r)
+            {
+                r.upstream_fails.store(0, Ordering::Relaxed);
                 r.healthy.store(true, Ordering::Relaxed);
                 r.metrics().healthy.set(1.0);
                 tracing::info!(replica = %r.name, label = %r.label(), "replica admitted");
@@ -30,13 +34,19 @@ impl Registry {
             r.oks.store(0, Ordering::Relaxed);
             let fails = r.fails.fetch_add(1, Ordering::Relaxed) + 1;
             if r.is_healthy() && fails >= h.failures_to_eject {
-                r.healthy.store(false, Ordering::Relaxed);
-                r.metrics().healthy.set(0.0);
-                r.ejections.send_modify(|n| *n += 1);
-                self.index.remove_replica(r.slot);
+                self.eject(r);
                 tracing::warn!(replica = %r.name, fails, "replica ejected");
             }
         }
+    }
+
+    /// Takes `r` out: no new requests, those waiting on it give up (and are retried elsewhere
+    /// when nothing reached the client yet), its index bits dropped.
+    pub(super) fn eject(&self, r: &ReplicaHandle) {
+        r.healthy.store(false, Ordering::Relaxed);
+        r.metrics().healthy.set(0.0);
+        r.ejections.send_modify(|n| *n += 1);
+        self.index.remove_replica(r.slot);
     }
 
     pub(super) async fn resolve(&self, r: &ReplicaHandle) -> Option<SocketAddr> {

@@ -3,8 +3,8 @@
 //! about themselves ([`probes`], [`engine_metrics`]), how fast they are ([`latency_model`],
 //! learnt from what the gateway relays, and [`prefill_queue`], the prefill sent there and not
 //! yet answered), how loaded ([`pressure`]), where they come from ([`discovery`]), how the
-//! gateway talks to them ([`client`]) and what a request holds there while it runs
-//! ([`guards`]). Their KV event streams are followed here ([`events`], [`tasks`]) and written
+//! gateway talks to them ([`client`]), what a request holds there while it runs
+//! ([`guards`]), and which answer unusably ([`outlier`]). Their KV event streams are followed here ([`events`], [`tasks`]) and written
 //! into the prefix index (`prefix/`).
 
 pub mod client;
@@ -14,6 +14,7 @@ pub mod events;
 pub mod guards;
 pub mod health;
 pub mod latency_model;
+pub mod outlier;
 pub mod prefill_queue;
 pub mod pressure;
 pub mod probes;

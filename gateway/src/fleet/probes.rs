@@ -114,6 +114,9 @@ impl Registry {
             r.kv_usage_bits
                 .store(l.kv_usage.to_bits(), Ordering::Relaxed);
             r.since_poll_tokens.store(0, Ordering::Relaxed);
+            if let Some(blocks) = l.num_gpu_blocks {
+                self.learn_capacity(r, blocks * self.cfg.model.block_size as u64);
+            }
             if let Some(p) = l.preemptions {
                 self.note_preemptions(r, p);
             }
@@ -140,12 +143,21 @@ impl Registry {
         r.kv_usage_bits.store(kv.to_bits(), Ordering::Relaxed);
         r.since_poll_tokens.store(0, Ordering::Relaxed);
         if let Some(c) = first.get("max_total_num_tokens").and_then(|x| x.as_u64()) {
-            r.capacity_tokens.store(c, Ordering::Relaxed);
+            self.learn_capacity(r, c);
         }
         if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
             self.note_preemptions(r, p);
         }
         r.finished_at_poll.store(finished_before, Ordering::Relaxed);
+    }
+
+    /// A replica's KV cache holds `tokens`: admission projects its usage against it, and the
+    /// prefix index holds at most that many of its blocks (plus a margin).
+    pub(super) fn learn_capacity(&self, r: &ReplicaHandle, tokens: u64) {
+        if r.capacity_tokens.swap(tokens, Ordering::Relaxed) != tokens && tokens > 0 {
+            let blocks = tokens / self.cfg.model.block_size.max(1) as u64;
+            self.index.set_capacity(r.slot, Some(blocks as usize));
+        }
     }
 
     /// A replica's preemption counter read `p`: a rise marks it as preempting now.

@@ -26,7 +26,7 @@ pub struct Registry {
     /// By slot; retired replicas stay in their slot until it is reused.
     pub(super) replicas: ArcSwap<Vec<Arc<ReplicaHandle>>>,
     pub index: Arc<PrefixIndex>,
-    metrics: Arc<GatewayMetrics>,
+    pub(super) metrics: Arc<GatewayMetrics>,
     pub(super) cfg: GatewayConfig,
     client: FleetClient,
     epoch: Instant,

@@ -73,6 +73,13 @@ pub struct ReplicaHandle {
     /// Prompt tokens the replica prefills per step (`chunked_prefill_size` in `/server_info`,
     /// as kvgate and SGLang report it; 0: not known).
     pub(super) chunk_tokens: AtomicU64,
+    /// Reported blocks dropped from the prefix index past its cap, in all.
+    pub(super) evicted: AtomicU64,
+    /// Unusable answers in a row (outlier detection, `outlier.rs`).
+    pub(super) upstream_fails: AtomicU32,
+    /// Times outlier detection ejected it, and (registry-clock ms) until when it stays out.
+    pub(super) outlier_ejections: AtomicU32,
+    pub(super) outlier_until_ms: AtomicU64,
     /// Bumped each time the replica is ejected: requests waiting on it give up at once (and
     /// are retried elsewhere when nothing reached the client yet).
     pub(super) ejections: tokio::sync::watch::Sender<u64>,
@@ -111,6 +118,10 @@ impl ReplicaHandle {
             max_model_len: AtomicU64::new(0),
             chunk_tokens: AtomicU64::new(0),
             warned_at_ms: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            upstream_fails: AtomicU32::new(0),
+            outlier_ejections: AtomicU32::new(0),
+            outlier_until_ms: AtomicU64::new(0),
             ejections: tokio::sync::watch::Sender::new(0),
         }
     }

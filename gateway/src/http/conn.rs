@@ -72,6 +72,8 @@ enum Phase {
 #[derive(Debug, Default)]
 struct ConnShared {
     done: std::sync::atomic::AtomicBool,
+    /// The client half-closed and was sent an interim `100 Continue` (`http/session.rs`).
+    probed: std::sync::atomic::AtomicBool,
 }
 
 /// Size and line count of a request header seen in pieces.
@@ -160,6 +162,29 @@ impl GuardedStream {
                 .done
                 .store(true, std::sync::atomic::Ordering::Release);
         }
+    }
+
+    /// Marks `session`'s client as probed after its half-close; returns whether it was already.
+    pub fn mark_probed(session: &pingora::proxy::Session) -> bool {
+        session
+            .stream()
+            .and_then(|s| s.as_any().downcast_ref::<GuardedStream>())
+            .is_some_and(|g| {
+                g.shared
+                    .probed
+                    .swap(true, std::sync::atomic::Ordering::AcqRel)
+            })
+    }
+
+    /// The kernel's TCP state of `session`'s client socket (`TCP_INFO`'s `tcpi_state`), when
+    /// the session runs on a guarded socket.
+    pub fn peer_state(session: &pingora::proxy::Session) -> Option<u8> {
+        let g = session
+            .stream()
+            .and_then(|s| s.as_any().downcast_ref::<GuardedStream>())?;
+        pingora::protocols::l4::ext::get_tcp_info(std::os::fd::AsRawFd::as_raw_fd(&g.inner))
+            .ok()
+            .map(|i| i.tcpi_state)
     }
 
     /// Arms the guard for the next request on a kept-alive connection.

@@ -1,11 +1,10 @@
 //! `GET /v1/models` and `GET /v1/models/{id}`: the union of the model cards the healthy
-//! replicas serve, asked of each replica when a client asks (2 s each at most; a replica that
-//! does not answer in time is left out of the list).
+//! replicas serve, asked of all of them at once when a client asks (2 s for the whole answer,
+//! head and body, at most 4 MiB; a replica that does not answer in time is left out).
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use pingora::proxy::Session;
 use protocol::ApiError;
 
@@ -28,27 +27,23 @@ pub async fn one(session: &mut Session, fleet: &Registry, id: &str, served: &str
     }
 }
 
-/// The union of the healthy replicas' model cards.
+/// The union of the healthy replicas' model cards (asked concurrently, each answer whole within
+/// the deadline: a replica that stalls its body cannot hold the client's request).
 async fn cards(fleet: &Registry) -> Vec<serde_json::Value> {
-    let mut ids: Vec<serde_json::Value> = Vec::new();
     let client = fleet.client();
-    for r in fleet.replicas().iter() {
-        let (true, Some(addr)) = (r.is_healthy(), r.addr()) else {
-            continue;
-        };
-        let req = client.request(
-            http::Method::GET,
-            format!("http://{addr}/v1/models"),
-            Bytes::new(),
-        );
-        let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), client.send(req)).await
-        else {
-            continue;
-        };
-        let Ok(body) = resp.into_body().collect().await else {
-            continue;
-        };
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body.to_bytes()) else {
+    let asks = fleet
+        .replicas()
+        .iter()
+        .filter_map(|r| {
+            let (true, Some(addr)) = (r.is_healthy(), r.addr()) else {
+                return None;
+            };
+            Some(client.fetch(addr, "/v1/models", Duration::from_secs(2)))
+        })
+        .collect::<Vec<_>>();
+    let mut ids: Vec<serde_json::Value> = Vec::new();
+    for body in futures::future::join_all(asks).await.into_iter().flatten() {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
             continue;
         };
         for m in v["data"].as_array().into_iter().flatten() {

@@ -43,13 +43,15 @@ impl ProxyHttp for GatewayProxy {
         if is_http10(session) {
             session.set_keepalive(None);
         }
+        // HEAD is answered wherever GET is (pingora leaves the body out).
+        let readable = method == http::Method::GET || method == http::Method::HEAD;
         let generation = match (method.as_str(), path.as_str()) {
             ("POST", "/v1/completions") => Some(Endpoint::Completions),
             ("POST", "/v1/chat/completions") => Some(Endpoint::ChatCompletions),
             _ => None,
         };
         let (endpoint, status) = match (method.as_str(), path.as_str(), generation) {
-            (_, "/health", _) if method == http::Method::GET => {
+            (_, "/health", _) if readable => {
                 let healthy = state.fleet.healthy_count();
                 let draining = state.lifecycle.is_draining();
                 let (code, status) = match (draining, healthy) {
@@ -63,7 +65,7 @@ impl ProxyHttp for GatewayProxy {
                     respond(session, code, Bytes::from(body.to_string()), &[]).await,
                 )
             }
-            (_, "/metrics", _) if method == http::Method::GET && state.metrics_on_api_port => {
+            (_, "/metrics", _) if readable && state.metrics_on_api_port => {
                 let text = state.metrics.render();
                 (
                     "metrics",
@@ -84,7 +86,7 @@ impl ProxyHttp for GatewayProxy {
                 .with_code("draining");
                 ("other", respond_error(session, &e).await)
             }
-            (_, "/v1/models", _) if method == http::Method::GET => {
+            (_, "/v1/models", _) if readable => {
                 match state.keys.authenticate(&session.req_header().headers) {
                     Ok(_) => ("models", models::list(session, &state.fleet).await),
                     Err(e) => {
@@ -93,10 +95,7 @@ impl ProxyHttp for GatewayProxy {
                     }
                 }
             }
-            (_, p, _)
-                if method == http::Method::GET
-                    && protocol::openai::model_id_in_path(p).is_some() =>
-            {
+            (_, p, _) if readable && protocol::openai::model_id_in_path(p).is_some() => {
                 let id = protocol::openai::model_id_in_path(p).unwrap_or_default();
                 match state.keys.authenticate(&session.req_header().headers) {
                     Ok(_) => {

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use protocol::hashing::{block_hash, root_hash};
 use protocol::kv_events::KvEvent;
 
-use crate::prefix::index::{on_gpu, MEDIUM_GPU};
+use crate::prefix::group::{on_gpu, MEDIUM_GPU};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TranslateError {

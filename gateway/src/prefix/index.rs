@@ -22,72 +22,56 @@
 //!   than a GPU hit: [`PrefixIndex::offloaded_lengths`] counts how far a match extends through
 //!   such blocks beyond its GPU run, and the policy prices them apart.
 //!
+//! - A cap per replica on what its events may hold: its reported cache size plus a quarter
+//!   ([`PrefixIndex::set_capacity`]), or `max_blocks_per_replica` until it reports one. Past
+//!   it the replica's oldest reported blocks are dropped (and counted): a publisher that stores
+//!   and never removes — a bug, or a restart in place that lost its removals — costs bounded
+//!   memory, and its overflow is visible.
+//!
 //! A match is the longest run of consecutive leading blocks present on a replica. Each entry is
-//! 32 bytes plus its 8-byte key and the map's per-slot overhead: under 64 bytes per block.
+//! 32 bytes plus its 8-byte key and the map's per-slot overhead, and a reported block is 8 more
+//! in its replica's order queue: under 72 bytes per block.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use dashmap::DashMap;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use protocol::kv_events::KvEvent;
 
-/// Replicas one group tracks (one bit each).
-const GROUP: usize = 64;
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Entry {
-    exact: u64,
-    approx: u64,
-    /// Reported in an offload tier (CPU memory), not on the GPU.
-    offloaded: u64,
-    /// Seconds (index clock) when an approximate bit was last set.
-    touched: u32,
-}
-
-impl Entry {
-    fn is_empty(&self) -> bool {
-        self.exact == 0 && self.approx == 0 && self.offloaded == 0
-    }
-}
-
-/// The medium vLLM reports for blocks in GPU memory.
-pub const MEDIUM_GPU: &str = "GPU";
-
-/// Whether a reported `medium` is GPU memory (absent means GPU, as vLLM's default).
-pub fn on_gpu(medium: &Option<String>) -> bool {
-    medium
-        .as_deref()
-        .is_none_or(|m| m.eq_ignore_ascii_case(MEDIUM_GPU))
-}
-
-/// Bytes one indexed block costs, for the size metric: entry, key, and hashbrown's control byte
-/// and load-factor slack.
-pub const BYTES_PER_BLOCK: usize = std::mem::size_of::<Entry>() + 8 + 8;
-
-/// Slots `64·g .. 64·g + 63` of the index.
-struct Group {
-    map: DashMap<u64, Entry>,
-    /// Offloaded bits set (an upper bound): while 0, offload lookups are skipped.
-    offloaded_bits: AtomicUsize,
-    /// Per replica, approximate records in insertion order, for the capacity bound.
-    approx_lru: Vec<Mutex<VecDeque<(u64, u32)>>>,
-}
+pub use crate::prefix::group::BYTES_PER_BLOCK;
+use crate::prefix::group::{Group, GROUP};
 
 /// The index: one [`Group`] per 64 slots, created on first use.
 pub struct PrefixIndex {
     groups: RwLock<Vec<Arc<Group>>>,
     approx_capacity: usize,
+    /// Reported blocks a replica may hold while its cache size is unknown.
+    default_cap: usize,
+}
+
+/// The cap for a replica that reported a cache of `blocks`: a quarter more (events arrive in
+/// batches, and an eviction may be reported after the store that caused it), plus a margin.
+pub fn cap_for(blocks: usize) -> usize {
+    blocks + blocks / 4 + 1024
 }
 
 impl PrefixIndex {
-    /// `approx_capacity`: approximate blocks kept per replica.
-    pub fn new(approx_capacity: usize) -> Self {
+    /// `approx_capacity`: approximate blocks kept per replica; `default_cap`: reported blocks
+    /// kept per replica until it says how many it holds.
+    pub fn new(approx_capacity: usize, default_cap: usize) -> Self {
         PrefixIndex {
             groups: RwLock::new(Vec::new()),
             approx_capacity,
+            default_cap,
         }
+    }
+
+    /// Caps what `replica`'s events may hold at [`cap_for`] its reported cache of `blocks`
+    /// (`None`: back to the default).
+    pub fn set_capacity(&self, replica: usize, blocks: Option<usize>) {
+        let (g, r) = self.group(replica);
+        let cap = blocks.map_or(self.default_cap, cap_for);
+        g.caps[r].store(cap, Ordering::Relaxed);
     }
 
     /// The group holding `slot`, and the slot's bit position in it.
@@ -98,7 +82,7 @@ impl PrefixIndex {
         }
         let mut w = self.groups.write();
         while w.len() <= g {
-            w.push(Arc::new(Group::new()));
+            w.push(Arc::new(Group::new(self.default_cap)));
         }
         (w[g].clone(), slot % GROUP)
     }
@@ -118,11 +102,22 @@ impl PrefixIndex {
 
     /// Estimated memory of the index, for `kvgate_gateway_prefix_index_bytes`.
     pub fn size_bytes(&self) -> usize {
-        self.len() * BYTES_PER_BLOCK
+        let queued: usize = self
+            .groups()
+            .iter()
+            .flat_map(|g| {
+                g.reported.iter().map(|q| {
+                    let q = q.lock();
+                    q.gpu.len() + q.cpu.len()
+                })
+            })
+            .sum();
+        self.len() * BYTES_PER_BLOCK + queued * 8
     }
 
-    /// Applies one KV event reported by `replica`.
-    pub fn apply(&self, replica: usize, ev: &KvEvent) {
+    /// Applies one KV event reported by `replica`; returns how many of its oldest blocks were
+    /// dropped because it now reports more than its cap.
+    pub fn apply(&self, replica: usize, ev: &KvEvent) -> usize {
         let (g, r) = self.group(replica);
         g.apply(r, ev)
     }
@@ -191,220 +186,6 @@ impl PrefixIndex {
         for g in self.groups() {
             g.expire(now, max_ttl);
         }
-    }
-}
-
-impl Group {
-    fn new() -> Self {
-        Group {
-            map: DashMap::new(),
-            offloaded_bits: AtomicUsize::new(0),
-            approx_lru: (0..GROUP).map(|_| Mutex::new(VecDeque::new())).collect(),
-        }
-    }
-
-    fn bit(replica: usize) -> u64 {
-        debug_assert!(replica < GROUP);
-        1u64 << replica
-    }
-
-    fn apply(&self, replica: usize, ev: &KvEvent) {
-        let bit = Self::bit(replica);
-        match ev {
-            KvEvent::BlockStored {
-                block_hashes,
-                medium,
-                ..
-            } if !on_gpu(medium) => {
-                for h in block_hashes {
-                    let mut e = self.map.entry(*h).or_default();
-                    if e.offloaded & bit == 0 {
-                        e.offloaded |= bit;
-                        self.offloaded_bits.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-            KvEvent::BlockStored { block_hashes, .. } => {
-                for h in block_hashes {
-                    self.map.entry(*h).or_default().exact |= bit;
-                }
-            }
-            KvEvent::BlockRemoved {
-                block_hashes,
-                medium,
-            } if !on_gpu(medium) => {
-                for h in block_hashes {
-                    if let dashmap::Entry::Occupied(mut o) = self.map.entry(*h) {
-                        let e = o.get_mut();
-                        if e.offloaded & bit != 0 {
-                            e.offloaded &= !bit;
-                            self.offloaded_bits.fetch_sub(1, Ordering::Relaxed);
-                        }
-                        if e.is_empty() {
-                            o.remove();
-                        }
-                    }
-                }
-            }
-            KvEvent::BlockRemoved { block_hashes, .. } => {
-                for h in block_hashes {
-                    self.clear_bits(*h, bit);
-                }
-            }
-            KvEvent::AllBlocksCleared => self.clear_exact(replica),
-        }
-    }
-
-    fn clear_bits(&self, hash: u64, bit: u64) {
-        if let dashmap::Entry::Occupied(mut o) = self.map.entry(hash) {
-            let e = o.get_mut();
-            e.exact &= !bit;
-            e.approx &= !bit;
-            if e.is_empty() {
-                o.remove();
-            }
-        }
-    }
-
-    /// Forgets what `replica` reported, both tiers.
-    fn clear_exact(&self, replica: usize) {
-        let bit = Self::bit(replica);
-        let mut cleared = 0;
-        self.map.retain(|_, e| {
-            e.exact &= !bit;
-            if e.offloaded & bit != 0 {
-                e.offloaded &= !bit;
-                cleared += 1;
-            }
-            !e.is_empty()
-        });
-        self.release_offloaded(cleared);
-    }
-
-    fn remove_replica(&self, replica: usize) {
-        let bit = Self::bit(replica);
-        let mut cleared = 0;
-        self.map.retain(|_, e| {
-            e.exact &= !bit;
-            e.approx &= !bit;
-            if e.offloaded & bit != 0 {
-                e.offloaded &= !bit;
-                cleared += 1;
-            }
-            !e.is_empty()
-        });
-        self.release_offloaded(cleared);
-        self.approx_lru[replica].lock().clear();
-    }
-
-    fn release_offloaded(&self, n: usize) {
-        if n > 0 {
-            let _ = self
-                .offloaded_bits
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                    Some(v.saturating_sub(n))
-                });
-        }
-    }
-
-    /// Per replica, how many blocks after its GPU run (`gpu[r]`) continue in the offload tier
-    /// (or on the GPU again, after an offloaded block).
-    fn offloaded_lengths(&self, hashes: &[u64], gpu: &[usize]) -> Vec<usize> {
-        if self.offloaded_bits.load(Ordering::Relaxed) == 0 {
-            return vec![0; gpu.len()];
-        }
-        gpu.iter()
-            .enumerate()
-            .map(|(r, &start)| {
-                let bit = Self::bit(r);
-                hashes
-                    .get(start..)
-                    .unwrap_or(&[])
-                    .iter()
-                    .take_while(|h| {
-                        self.map
-                            .get(h)
-                            .is_some_and(|e| (e.offloaded | e.exact) & bit != 0)
-                    })
-                    .count()
-            })
-            .collect()
-    }
-
-    fn record_routed(&self, replica: usize, hashes: &[u64], now: u32, capacity: usize) {
-        let bit = Self::bit(replica);
-        let mut lru = self.approx_lru[replica].lock();
-        for &h in hashes {
-            let mut e = self.map.entry(h).or_default();
-            e.approx |= bit;
-            e.touched = now;
-            drop(e);
-            lru.push_back((h, now));
-        }
-        while lru.len() > capacity {
-            let Some((h, at)) = lru.pop_front() else {
-                break;
-            };
-            if let dashmap::Entry::Occupied(mut o) = self.map.entry(h) {
-                let e = o.get_mut();
-                // Refreshed since this record: a later record in the queue covers it.
-                if e.touched <= at {
-                    e.approx &= !bit;
-                    if e.is_empty() {
-                        o.remove();
-                    }
-                }
-            }
-        }
-    }
-
-    fn match_lengths(&self, hashes: &[u64], replicas: usize, now: u32, ttl: &[u32]) -> Vec<usize> {
-        let mut out = vec![0usize; replicas];
-        let mut alive: u64 = if replicas >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << replicas) - 1
-        };
-        for (i, h) in hashes.iter().enumerate() {
-            let present = match self.map.get(h) {
-                Some(e) => {
-                    let mut mask = e.exact;
-                    let age = now.saturating_sub(e.touched);
-                    for r in 0..replicas {
-                        if e.approx & (1 << r) != 0 && age < ttl.get(r).copied().unwrap_or(0) {
-                            mask |= 1 << r;
-                        }
-                    }
-                    mask
-                }
-                None => 0,
-            };
-            let dropped = alive & !present;
-            for (r, o) in out.iter_mut().enumerate() {
-                if dropped & (1 << r) != 0 {
-                    *o = i;
-                }
-            }
-            alive &= present;
-            if alive == 0 {
-                return out;
-            }
-        }
-        for (r, o) in out.iter_mut().enumerate() {
-            if alive & (1 << r) != 0 {
-                *o = hashes.len();
-            }
-        }
-        out
-    }
-
-    fn expire(&self, now: u32, max_ttl: u32) {
-        self.map.retain(|_, e| {
-            if now.saturating_sub(e.touched) >= max_ttl {
-                e.approx = 0;
-            }
-            !e.is_empty()
-        });
     }
 }
 

@@ -30,6 +30,9 @@ pub trait EventSink: Send + Sync {
     fn set_live(&self, live: bool);
     /// A configuration error that stops indexing (`None` when it clears).
     fn set_error(&self, error: Option<String>);
+    /// The engine reported more blocks than it can hold: `evicted` of its oldest were dropped
+    /// from the index (a publisher that does not report its removals).
+    fn overflowed(&self, evicted: usize);
 }
 
 /// Why following an engine's events stopped (the caller reconnects and starts over).
@@ -245,7 +248,10 @@ fn apply(
         match translator.translate(ev) {
             Ok(Some(ours)) => {
                 stored |= matches!(ours, protocol::kv_events::KvEvent::BlockStored { .. });
-                index.apply(slot, &ours);
+                let evicted = index.apply(slot, &ours);
+                if evicted > 0 {
+                    sink.overflowed(evicted);
+                }
             }
             Ok(None) => {}
             Err(e @ TranslateError::BlockSize { .. }) => {

@@ -20,6 +20,7 @@ use policies::RouteDecision;
 use protocol::ApiError;
 
 use crate::access_log::AccessRecord;
+use crate::fleet::client::UpstreamLimits;
 use crate::fleet::guards::{InFlight, PendingPrefill};
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::ReplicaHandle;
@@ -29,23 +30,12 @@ use crate::metrics::GatewayMetrics;
 use crate::prefix::view::{uncached_tokens, PrefixView};
 use crate::request::prepared::Prepared;
 use crate::request::relay::{Head, Relay, RelayCtx};
-use crate::request::sse::{HitPolicy, SseTap};
+use crate::request::sse::{is_json_object, HitPolicy, SseTap, MAX_EVENT_BYTES};
 use crate::routes::admitted::Admitted;
 use crate::routes::store::{ActivePolicy, ActiveRoute};
 
-/// Largest unstreamed answer the gateway holds to rewrite its usage.
-const MAX_WHOLE_BODY: usize = 32 << 20;
-
-/// The gateway file's limits on talking to a replica.
-#[derive(Debug, Clone, Copy)]
-pub struct UpstreamLimits {
-    /// Further attempts after the first fails before anything reached the client.
-    pub retries: u32,
-    /// Wait before retry `n`: `n` times this.
-    pub retry_backoff: Duration,
-    /// How long a replica may take to send the first event or the whole answer.
-    pub first_byte_timeout: Duration,
-}
+/// The most of a 5xx answer's body read (for the message that names it).
+const MAX_ERROR_BODY: usize = 64 << 10;
 
 /// What the forward stage works with.
 pub struct Forwarder<'a> {
@@ -62,12 +52,25 @@ pub type Again<'a> = dyn Fn(&[usize], &[usize]) -> Result<RouteDecision, ApiErro
 
 /// Why waiting on a replica ended without what was awaited.
 enum Stop {
-    /// The replica failed or was ejected: try another.
-    Replica(String),
+    /// The replica failed, answered unusably, or was ejected: try another. `reason` is the
+    /// bounded label it is counted under (`None`: not the replica's fault to count).
+    Replica {
+        reason: Option<&'static str>,
+        why: String,
+    },
     ClientGone,
     /// The drain deadline passed.
     Aborted,
     TimedOut,
+}
+
+impl Stop {
+    fn replica(reason: &'static str, why: impl Into<String>) -> Stop {
+        Stop::Replica {
+            reason: Some(reason),
+            why: why.into(),
+        }
+    }
 }
 
 /// Awaits `fut`, giving up when the replica is ejected, the client leaves, the drain ends or
@@ -81,7 +84,10 @@ async fn watch<T>(
 ) -> Result<T, Stop> {
     tokio::select! {
         r = tokio::time::timeout(timeout, fut) => r.map_err(|_| Stop::TimedOut),
-        _ = ejected => Err(Stop::Replica("the replica was ejected by its health checks".into())),
+        _ = ejected => Err(Stop::Replica {
+            reason: None,
+            why: "the replica was ejected by its health checks".into(),
+        }),
         _ = aborted => Err(Stop::Aborted),
         _ = client_gone(session) => Err(Stop::ClientGone),
     }
@@ -112,7 +118,54 @@ struct Attempt<'s, 'e> {
 }
 
 impl Forwarder<'_> {
-    /// Sends `p` to `replica` and waits for its first event or whole answer.
+    /// Reads a whole body, at most `limit` bytes, each chunk within the body idle timeout.
+    async fn read_body(
+        &self,
+        at: &mut Attempt<'_, '_>,
+        body: &mut hyper::body::Incoming,
+        limit: usize,
+    ) -> Result<Bytes, Stop> {
+        let idle = self.limits.body_idle_timeout;
+        let mut buf = bytes::BytesMut::new();
+        loop {
+            let frame = match watch(
+                body.frame(),
+                idle,
+                &mut at.ejected,
+                &mut at.aborted,
+                at.session,
+            )
+            .await
+            {
+                Err(Stop::TimedOut) => {
+                    return Err(Stop::replica(
+                        "body_stall",
+                        format!("its answer's body stalled for {} ms", idle.as_millis()),
+                    ))
+                }
+                r => r?,
+            };
+            match frame {
+                None => return Ok(buf.freeze()),
+                Some(Err(e)) => return Err(Stop::replica("transport", format!("{e}"))),
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        if buf.len() + d.len() > limit {
+                            return Err(Stop::replica(
+                                "body_too_large",
+                                format!("its answer is larger than {limit} bytes"),
+                            ));
+                        }
+                        buf.extend_from_slice(&d);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends `p` to `replica` and waits for its first event or whole answer; an answer the
+    /// client could not use (not JSON, not a stream when one was asked for, an event that does
+    /// not parse) is a failure of the replica, tried elsewhere.
     async fn attempt(
         &self,
         at: &mut Attempt<'_, '_>,
@@ -122,9 +175,10 @@ impl Forwarder<'_> {
         hits: &HitPolicy,
     ) -> Result<Head, Stop> {
         let timeout = self.limits.first_byte_timeout;
-        let addr = replica
-            .addr()
-            .ok_or_else(|| Stop::Replica("no address".into()))?;
+        let addr = replica.addr().ok_or_else(|| Stop::Replica {
+            reason: None,
+            why: "no address".into(),
+        })?;
         let client = self.fleet.client();
         let req = client.request(
             http::Method::POST,
@@ -142,26 +196,27 @@ impl Forwarder<'_> {
         .map_err(|e| {
             if e.is_connect() {
                 self.fleet.report_failure(replica.slot);
+                return Stop::Replica {
+                    reason: None,
+                    why: format!("{e}"),
+                };
             }
-            Stop::Replica(format!("{e}"))
+            Stop::replica("transport", format!("{e}"))
         })?;
         let (parts, mut body) = resp.into_parts();
         if parts.status.is_server_error() {
-            let bytes = watch(
-                body.collect(),
-                timeout,
-                &mut at.ejected,
-                &mut at.aborted,
-                at.session,
-            )
-            .await?
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
-            return Err(Stop::Replica(format!(
-                "answered {}: {}",
-                parts.status,
-                String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-            )));
+            let bytes = self
+                .read_body(at, &mut body, MAX_ERROR_BODY)
+                .await
+                .unwrap_or_default();
+            return Err(Stop::replica(
+                "status_5xx",
+                format!(
+                    "answered {}: {}",
+                    parts.status,
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+                ),
+            ));
         }
         if parts.status == http::StatusCode::OK && is_sse(&parts) {
             let mut tap = SseTap::default();
@@ -176,17 +231,31 @@ impl Forwarder<'_> {
                 .await?;
                 let data = match frame {
                     None => {
-                        return Err(Stop::Replica(
-                            "the stream ended before its first event".into(),
+                        return Err(Stop::replica(
+                            "stream_ended",
+                            "the stream ended before its first event",
                         ))
                     }
-                    Some(Err(e)) => return Err(Stop::Replica(format!("{e}"))),
+                    Some(Err(e)) => return Err(Stop::replica("transport", format!("{e}"))),
                     Some(Ok(f)) => match f.into_data() {
                         Ok(d) => d,
                         Err(_) => continue,
                     },
                 };
-                if let Some(first) = tap.feed(&data, hits) {
+                let first = tap.feed(&data, hits);
+                if tap.bad_event {
+                    return Err(Stop::replica(
+                        "bad_event",
+                        "its stream's first event is not a JSON object",
+                    ));
+                }
+                if tap.oversized {
+                    return Err(Stop::replica(
+                        "event_too_large",
+                        format!("its stream's first event is over {MAX_EVENT_BYTES} bytes"),
+                    ));
+                }
+                if let Some(first) = first {
                     return Ok(Head::Stream {
                         parts,
                         body,
@@ -196,17 +265,33 @@ impl Forwarder<'_> {
                 }
             }
         }
-        let limited = http_body_util::Limited::new(body, MAX_WHOLE_BODY);
-        let bytes = watch(
-            limited.collect(),
-            timeout,
-            &mut at.ejected,
-            &mut at.aborted,
-            at.session,
-        )
-        .await?
-        .map_err(|e| Stop::Replica(format!("{e}")))?
-        .to_bytes();
+        if p.stream && parts.status == http::StatusCode::OK {
+            return Err(Stop::replica(
+                "not_sse",
+                format!(
+                    "a stream was asked for and it answered {:?}",
+                    parts
+                        .headers
+                        .get(http::header::CONTENT_TYPE)
+                        .map_or("no content type".into(), |v| String::from_utf8_lossy(
+                            v.as_bytes()
+                        ))
+                ),
+            ));
+        }
+        let bytes = self
+            .read_body(at, &mut body, self.limits.max_response_bytes)
+            .await?;
+        if !is_json_object(&bytes) {
+            return Err(Stop::replica(
+                "not_json",
+                format!(
+                    "its {} answer is not a JSON object: {:?}",
+                    parts.status,
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(80)])
+                ),
+            ));
+        }
         Ok(Head::Whole { parts, body: bytes })
     }
 
@@ -289,14 +374,26 @@ impl Forwarder<'_> {
                 .await
             {
                 Ok(h) => h,
-                Err(Stop::Replica(why)) => {
+                Err(Stop::Replica { reason, why }) => {
                     tracing::warn!(replica = %replica.name, error = %why, attempt, "upstream request failed; retrying elsewhere");
-                    last_error = ApiError::new(
-                        502,
-                        "bad_gateway",
-                        format!("replica {} failed: {why}", replica.name),
-                    )
-                    .with_code("upstream_error");
+                    if let Some(reason) = reason {
+                        self.fleet.upstream_failed(&replica, reason);
+                    }
+                    last_error = if reason == Some("body_stall") {
+                        ApiError::new(
+                            504,
+                            "timeout",
+                            format!("replica {} failed: {why}", replica.name),
+                        )
+                        .with_code("upstream_timeout")
+                    } else {
+                        ApiError::new(
+                            502,
+                            "bad_gateway",
+                            format!("replica {} failed: {why}", replica.name),
+                        )
+                        .with_code("upstream_error")
+                    };
                     continue;
                 }
                 Err(Stop::ClientGone) => {
@@ -310,6 +407,7 @@ impl Forwarder<'_> {
                     break;
                 }
                 Err(Stop::TimedOut) => {
+                    self.fleet.upstream_failed(&replica, "first_byte_timeout");
                     last_error = ApiError::new(
                         504,
                         "timeout",
@@ -340,6 +438,9 @@ impl Forwarder<'_> {
             };
             let relay = Relay {
                 metrics: self.metrics,
+                fleet: self.fleet,
+                limits: &self.limits,
+                max_token_events: p.max_token_events,
             };
             let status = relay
                 .relay(session, &mut ctx, head, &mut ejected, &mut aborted, rec)

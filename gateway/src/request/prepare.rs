@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use protocol::hashing::{block_hashes, cacheable_prompt_blocks, root_hash};
 use protocol::openai::{ChatCompletionRequest, CompletionRequest, PromptInput};
-use protocol::segment_cache::SegmentCache;
+use protocol::segment_cache::{SegmentCache, SegmentCacheStats};
 use protocol::token_bound::LimitCheck;
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
@@ -64,6 +64,11 @@ impl Preparer {
             block_size,
             metrics,
         }
+    }
+
+    /// The segment cache's counters (hits, misses, bytes held).
+    pub fn cache_stats(&self) -> SegmentCacheStats {
+        self.segments.stats()
     }
 
     fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
@@ -155,13 +160,13 @@ impl Preparer {
         };
         let view = Value::Object(doc);
         let limit = limits.per_prompt;
-        let (first, total, largest, stream) = match endpoint {
+        let (first, total, largest, stream, max_events) = match endpoint {
             Endpoint::Completions => {
                 let r = CompletionRequest::deserialize(&view).map_err(invalid_json)?;
                 r.validate()?;
                 self.check_model(r.model.as_deref())?;
                 let mut first: Option<Vec<u32>> = None;
-                let (mut total, mut largest) = (0usize, 0usize);
+                let (mut total, mut largest, mut prompts) = (0usize, 0usize, 0u64);
                 // Every member is counted (the list is classified by its total); the first
                 // decides where the request goes.
                 for input in r.prompt.inputs() {
@@ -191,11 +196,14 @@ impl Preparer {
                         .with_code("context_length_exceeded"));
                     }
                     first.get_or_insert(ids);
+                    prompts += 1;
                 }
                 let first = first.ok_or_else(|| {
                     ApiError::invalid_request("prompt must not be empty").with_param("prompt")
                 })?;
-                (first, total, largest, r.stream)
+                let choices = prompts * u64::from(r.sampling.n.unwrap_or(1).max(1));
+                let events = r.max_tokens.map(|m| u64::from(m) * choices);
+                (first, total, largest, r.stream, events)
             }
             Endpoint::ChatCompletions => {
                 let r = ChatCompletionRequest::deserialize(&view).map_err(invalid_json)?;
@@ -208,10 +216,14 @@ impl Preparer {
                     r.chat_template_kwargs.as_ref(),
                 )?;
                 let ids = self.encode_bounded(&text, limit.min(limits.per_request), |t| {
-                    Ok(self.segments.encode(&self.tokenizer, t)?)
+                    Ok(self
+                        .segments
+                        .encode_scoped(&self.tokenizer, t, salt.as_deref())?)
                 })?;
                 let n = ids.len();
-                (ids, n, n, r.stream)
+                let choices = u64::from(r.sampling.n.unwrap_or(1).max(1));
+                let events = r.max_tokens().map(|m| u64::from(m) * choices);
+                (ids, n, n, r.stream, events)
             }
         };
         let doc = match view {
@@ -229,6 +241,7 @@ impl Preparer {
             cacheable: cacheable_prompt_blocks(first.len(), self.block_size).min(hashes.len()),
             hashes: hashes.into(),
             session_id: caller.session_id.clone(),
+            max_token_events: max_events,
             tokenize_seconds,
             doc: Arc::new(doc),
         })

@@ -59,6 +59,9 @@ pub struct Prepared {
     /// computed).
     pub cacheable: usize,
     pub session_id: Option<String>,
+    /// The most token-carrying events its answer may hold: `max_tokens` × choices (`n`, and
+    /// each prompt of a list); `None` when the request sets no `max_tokens`.
+    pub max_token_events: Option<u64>,
     pub tokenize_seconds: f64,
     /// The body as it is forwarded: the client's `priority` removed, the tenant's salt in
     /// `cache_salt`; [`Prepared::body_for`] adds the route's engine priority.

@@ -19,10 +19,14 @@ use protocol::ApiError;
 use serde_json::Value;
 
 use crate::access_log::AccessRecord;
+use crate::fleet::client::UpstreamLimits;
 use crate::fleet::guards::PendingPrefill;
+use crate::fleet::registry::Registry;
 use crate::fleet::replica::ReplicaHandle;
 use crate::metrics::GatewayMetrics;
-use crate::request::sse::{drain_ready, error_event, AnswerUsage, HitPolicy, SseTap};
+use crate::request::sse::{
+    drain_ready, error_event, AnswerUsage, HitPolicy, SseTap, MAX_EVENT_BYTES,
+};
 use crate::routes::admitted::Admitted;
 use crate::routes::goodput::Served;
 use crate::routes::store::ActiveRoute;
@@ -62,12 +66,65 @@ pub struct RelayCtx<'a> {
     pub http10: bool,
 }
 
-/// The relay stage: it counts cut streams.
+/// The relay stage: it holds a stream to its promises (size, token count, well-formed events),
+/// counts cut streams, and tells the fleet whether the replica's answer was usable.
 pub struct Relay<'a> {
     pub metrics: &'a GatewayMetrics,
+    pub fleet: &'a Registry,
+    pub limits: &'a UpstreamLimits,
+    /// The most token events the request's `max_tokens` allows (`None`: it set none).
+    pub max_token_events: Option<u64>,
 }
 
+/// Cut reasons that are the replica's fault (counted towards outlier detection); the others —
+/// it was ejected already, the gateway is draining — are not.
+const REPLICA_FAULTS: [&str; 6] = [
+    "upstream_error",
+    "idle_timeout",
+    "bad_event",
+    "event_too_large",
+    "too_many_tokens",
+    "stream_too_large",
+];
+
 impl Relay<'_> {
+    /// Why a stream must be cut now, having relayed `bytes` (with what is about to go out).
+    fn broken(&self, tap: &SseTap, bytes: u64, name: &str) -> Option<(&'static str, String)> {
+        if tap.bad_event {
+            return Some((
+                "bad_event",
+                format!("replica {name} sent an event that is not a JSON object"),
+            ));
+        }
+        if tap.oversized {
+            return Some((
+                "event_too_large",
+                format!("replica {name} sent an event over {MAX_EVENT_BYTES} bytes"),
+            ));
+        }
+        if let Some(max) = self.max_token_events {
+            if tap.choice_events > max + self.limits.stream_token_slack {
+                return Some((
+                    "too_many_tokens",
+                    format!(
+                        "replica {name} sent {} token events; max_tokens allows {max}",
+                        tap.choice_events
+                    ),
+                ));
+            }
+        }
+        if bytes > self.limits.max_stream_bytes {
+            return Some((
+                "stream_too_large",
+                format!(
+                    "replica {name} sent more than {} bytes",
+                    self.limits.max_stream_bytes
+                ),
+            ));
+        }
+        None
+    }
+
     fn stream_error(&self, reason: &'static str) {
         self.metrics
             .counter("kvgate_gateway_stream_errors_total", &[("reason", reason)])
@@ -158,6 +215,9 @@ impl Relay<'_> {
         rec: &mut AccessRecord,
     ) -> u16 {
         let status = parts.status.as_u16();
+        if status == 200 {
+            self.fleet.upstream_ok(ctx.replica);
+        }
         let now = Instant::now();
         ctx.pending.done();
         let stats = &ctx.admitted.route().stats;
@@ -250,8 +310,10 @@ impl Relay<'_> {
         let mut coalesced = 0usize;
         // A frame other than data met while coalescing, handled on the next turn.
         let mut stashed = None;
+        let mut relayed = 0u64;
         let cut: Option<(&'static str, String)> = loop {
             if let Some(data) = next.take() {
+                relayed += data.len() as u64;
                 let now = Instant::now();
                 match last {
                     None => {
@@ -347,6 +409,10 @@ impl Relay<'_> {
                         coalesced = n;
                         stashed = other;
                     }
+                    let pending = next.as_ref().map_or(0, |b| b.len() as u64);
+                    if let Some(fault) = self.broken(&tap, relayed + pending, &ctx.replica.name) {
+                        break Some(fault);
+                    }
                 }
             }
         };
@@ -355,6 +421,14 @@ impl Relay<'_> {
         rec.output_tokens = Some(outcome.output_tokens);
         rec.ttft_ms = outcome.ttft.map(|t| t.as_secs_f64() * 1e3);
         let rt = ctx.admitted.route();
+        match &cut {
+            None if !tap.saw_error => self.fleet.upstream_ok(ctx.replica),
+            None => self.fleet.upstream_failed(ctx.replica, "error_event"),
+            Some((reason, _)) if REPLICA_FAULTS.contains(reason) => {
+                self.fleet.upstream_failed(ctx.replica, reason)
+            }
+            Some(_) => {}
+        }
         let result = match cut {
             None if !tap.saw_error => {
                 let _ = session.write_response_body(None, true).await;

@@ -58,6 +58,10 @@ pub fn error_event(e: &ApiError) -> Bytes {
     Bytes::from(format!("data: {}\n\n", e.to_json()))
 }
 
+/// Largest single event a replica may send (bytes before its blank line): an event that never
+/// ends must not grow the gateway's buffer without bound.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+
 /// Follows an SSE stream event by event.
 #[derive(Debug, Default)]
 pub struct SseTap {
@@ -66,6 +70,10 @@ pub struct SseTap {
     pub done: bool,
     /// The upstream itself reported an error event.
     pub saw_error: bool,
+    /// An event whose data is neither `[DONE]` nor a JSON object: the stream is garbage.
+    pub bad_event: bool,
+    /// An event grew past [`MAX_EVENT_BYTES`] without ending.
+    pub oversized: bool,
     /// Events carrying generated text (a chat delta's `content`, a completion's `text`): the
     /// output token count when the stream has no usage event.
     pub choice_events: u64,
@@ -148,6 +156,10 @@ impl SseTap {
             at += len;
         }
         self.pending.extend_from_slice(&data[at..]);
+        if self.pending.len() > MAX_EVENT_BYTES {
+            self.oversized = true;
+            self.pending = Vec::new();
+        }
         match rewritten {
             Some(out) => Some(Bytes::from(out)),
             None => (at > 0).then(|| data.slice(..at)),
@@ -178,6 +190,14 @@ impl SseTap {
         let payload = payload.trim_ascii();
         if payload == b"[DONE]" {
             self.done = true;
+            return None;
+        }
+        // Every event must be a JSON object (checked without building it): a replica that
+        // sends anything else is broken, and the client's SDK would fail on it anyway.
+        if !payload.starts_with(b"{")
+            || serde_json::from_slice::<serde::de::IgnoredAny>(payload).is_err()
+        {
+            self.bad_event = true;
             return None;
         }
         if carries_text(payload) {
@@ -259,6 +279,12 @@ pub async fn drain_ready(
         n += 1;
     }
     (joined.map(bytes::BytesMut::freeze).or(next), n, None)
+}
+
+/// Whether an unstreamed answer is a JSON object (checked without building it).
+pub fn is_json_object(body: &[u8]) -> bool {
+    body.trim_ascii_start().starts_with(b"{")
+        && serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
 }
 
 /// What an unstreamed answer says about its usage (every other field is skipped).
@@ -364,5 +390,32 @@ mod tests {
         let e = error_event(&ApiError::new(502, "upstream_error", "cut"));
         assert!(e.starts_with(b"data: {\"error\""));
         assert!(e.ends_with(b"\n\n"));
+    }
+
+    #[test]
+    fn garbage_events_and_endless_events_are_flagged() {
+        let h = hits(HitSignals::Exact);
+        let mut tap = SseTap::default();
+        tap.feed(&Bytes::from("data: <html>oops</html>\n\n"), &h);
+        assert!(tap.bad_event);
+        let mut tap = SseTap::default();
+        tap.feed(&Bytes::from("data: {\"choices\": [\n\n"), &h);
+        assert!(tap.bad_event, "a truncated object does not parse");
+        let mut tap = SseTap::default();
+        tap.feed(&Bytes::from(": keep-alive comment\n\ndata: [DONE]\n\n"), &h);
+        assert!(!tap.bad_event && tap.done);
+        let mut tap = SseTap::default();
+        let chunk = Bytes::from(vec![b'x'; 64 << 10]);
+        for _ in 0..(MAX_EVENT_BYTES / chunk.len() + 1) {
+            assert!(tap.feed(&chunk, &h).is_none());
+        }
+        assert!(
+            tap.oversized && !tap.has_partial(),
+            "the buffer is dropped, not grown"
+        );
+        assert!(is_json_object(b" {\"id\": 1}"));
+        assert!(!is_json_object(b"<!doctype html><p>hi"));
+        assert!(!is_json_object(b"[1, 2]"));
+        assert!(!is_json_object(b"{\"id\": "));
     }
 }

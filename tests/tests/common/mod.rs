@@ -328,6 +328,16 @@ pub enum FakeMode {
     CutAfter { tokens: usize },
     /// Sends `tokens` events, then nothing, ever (a stalled process); `/health` hangs too.
     StallAfter { tokens: usize },
+    /// Answers every generation request 200 with a body that is not JSON.
+    NotJson,
+    /// Answers every generation request 200 with an HTML page (`text/html`).
+    Html,
+    /// Streams token events every 5 ms and never ends.
+    Endless,
+    /// Streams `tokens` good events, then one whose data is not JSON.
+    BadEvent { tokens: usize },
+    /// Promises a 1,000-byte JSON body (`content-length`) and sends 10 bytes of it.
+    ShortBody,
 }
 
 /// A stand-in replica that records every generation body it receives and answers as its
@@ -385,6 +395,32 @@ impl FakeReplica {
                                 "/v1/models" => hyper::Response::new(full(
                                     r#"{"object":"list","data":[{"id":"Qwen3-8B","object":"model","max_model_len":40960}]}"#.into(),
                                 )),
+                                "/v1/chat/completions" | "/v1/completions" if matches!(mode, FakeMode::NotJson | FakeMode::Html | FakeMode::ShortBody) => {
+                                    b.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                                    match mode {
+                                        FakeMode::NotJson => hyper::Response::builder()
+                                            .header("content-type", "application/json")
+                                            .body(full("Internal things went sideways".into()))
+                                            .unwrap(),
+                                        FakeMode::Html => hyper::Response::builder()
+                                            .header("content-type", "text/html")
+                                            .body(full("<!doctype html><html><body>Welcome to nginx!</body></html>".into()))
+                                            .unwrap(),
+                                        _ => {
+                                            let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>(1);
+                                            tokio::spawn(async move {
+                                                let _ = tx.send(Ok(hyper::body::Frame::data("{\"id\": \"x\",".into()))).await;
+                                                tx.closed().await;
+                                            });
+                                            let stream = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+                                            hyper::Response::builder()
+                                                .header("content-type", "application/json")
+                                                .header("content-length", "1000")
+                                                .body(http_body_util::Either::Right(stream))
+                                                .unwrap()
+                                        }
+                                    }
+                                }
                                 "/v1/chat/completions" | "/v1/completions" => {
                                     b.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or(Value::Null));
                                     let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>(8);
@@ -393,13 +429,16 @@ impl FakeReplica {
                                             FakeMode::Stream { tokens } => (tokens, 0),
                                             FakeMode::CutAfter { tokens } => (tokens, 1),
                                             FakeMode::StallAfter { tokens } => (tokens, 2),
+                                            FakeMode::BadEvent { tokens } => (tokens, 3),
+                                            _ => (usize::MAX, 2),
                                         };
+                                        let gap = if n == usize::MAX { 5 } else { 20 };
                                         for i in 0..n {
                                             let ev = format!("data: {{\"id\":\"x\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}}}}]}}\n\n");
                                             if tx.send(Ok(hyper::body::Frame::data(ev.into()))).await.is_err() {
                                                 return;
                                             }
-                                            tokio::time::sleep(Duration::from_millis(20)).await;
+                                            tokio::time::sleep(Duration::from_millis(gap)).await;
                                         }
                                         match end {
                                             0 => {
@@ -408,6 +447,10 @@ impl FakeReplica {
                                             }
                                             1 => {
                                                 let _ = tx.send(Err(std::io::Error::other("crash"))).await;
+                                            }
+                                            3 => {
+                                                let _ = tx.send(Ok(hyper::body::Frame::data("data: <<garbage>>\n\n".into()))).await;
+                                                tx.closed().await;
                                             }
                                             _ => {
                                                 tx.closed().await;

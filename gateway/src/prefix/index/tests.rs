@@ -13,7 +13,7 @@ fn stored(hashes: &[u64]) -> KvEvent {
 
 #[test]
 fn longest_consecutive_run_per_replica_from_events() {
-    let idx = PrefixIndex::new(100);
+    let idx = PrefixIndex::new(100, 1 << 20);
     idx.apply(0, &stored(&[1, 2, 3, 4]));
     idx.apply(1, &stored(&[1, 2]));
     idx.apply(2, &stored(&[2, 3])); // holds later blocks but not the first: no match
@@ -35,7 +35,7 @@ fn longest_consecutive_run_per_replica_from_events() {
 
 #[test]
 fn the_offload_tier_extends_a_match_apart_from_the_gpu_run() {
-    let idx = PrefixIndex::new(100);
+    let idx = PrefixIndex::new(100, 1 << 20);
     let tier = |hashes: &[u64], medium: &str| KvEvent::BlockStored {
         block_hashes: hashes.to_vec(),
         parent_block_hash: None,
@@ -77,7 +77,7 @@ fn the_offload_tier_extends_a_match_apart_from_the_gpu_run() {
 
 #[test]
 fn approximate_records_expire_and_are_capacity_bounded() {
-    let idx = PrefixIndex::new(4);
+    let idx = PrefixIndex::new(4, 1 << 20);
     idx.record_routed(0, &[1, 2, 3], 10);
     assert_eq!(idx.match_lengths(&[1, 2, 3], 2, 15, &[60, 60]), vec![3, 0]);
     assert_eq!(
@@ -95,7 +95,7 @@ fn approximate_records_expire_and_are_capacity_bounded() {
 
 #[test]
 fn exact_bits_outlive_speculation_and_removal_clears_both() {
-    let idx = PrefixIndex::new(100);
+    let idx = PrefixIndex::new(100, 1 << 20);
     idx.record_routed(1, &[5, 6], 0);
     idx.apply(1, &stored(&[5]));
     assert_eq!(idx.match_lengths(&[5, 6], 2, 100, &[10, 10]), vec![0, 1]);
@@ -106,7 +106,7 @@ fn exact_bits_outlive_speculation_and_removal_clears_both() {
 
 #[test]
 fn slots_beyond_64_live_in_further_groups() {
-    let idx = PrefixIndex::new(100);
+    let idx = PrefixIndex::new(100, 1 << 20);
     idx.apply(3, &stored(&[1, 2, 3]));
     idx.apply(70, &stored(&[1, 2]));
     idx.record_routed(130, &[1], 5);
@@ -122,10 +122,63 @@ fn slots_beyond_64_live_in_further_groups() {
 }
 
 #[test]
-fn stays_under_64_bytes_per_block() {
+fn stays_under_72_bytes_per_reported_block() {
     const { assert!(BYTES_PER_BLOCK <= 64) };
-    let idx = PrefixIndex::new(10);
+    let idx = PrefixIndex::new(10, 1 << 20);
     idx.apply(3, &stored(&(0..1000).collect::<Vec<_>>()));
     assert_eq!(idx.len(), 1000);
-    assert_eq!(idx.size_bytes(), 1000 * BYTES_PER_BLOCK);
+    // The entry, and the replica's order queue's record of it.
+    assert_eq!(idx.size_bytes(), 1000 * (BYTES_PER_BLOCK + 8));
+}
+
+#[test]
+fn a_publisher_that_never_removes_is_held_to_its_cap_oldest_first() {
+    let idx = PrefixIndex::new(10, 1 << 20);
+    idx.set_capacity(0, Some(1000));
+    let cap = cap_for(1000);
+    let mut evicted = 0;
+    for batch in 0..100u64 {
+        let hashes: Vec<u64> = (batch * 100..batch * 100 + 100).collect();
+        evicted += idx.apply(0, &stored(&hashes));
+    }
+    assert_eq!(
+        idx.len(),
+        cap,
+        "10,000 stored, none removed: the index holds the cap"
+    );
+    assert_eq!(evicted, 10_000 - cap);
+    // The newest are kept, the oldest dropped.
+    assert_eq!(idx.match_lengths(&[9_999], 1, 0, &[0]), vec![1]);
+    assert_eq!(idx.match_lengths(&[0], 1, 0, &[0]), vec![0]);
+    // Another replica's blocks are not touched by this one's cap.
+    idx.apply(1, &stored(&[0, 1, 2]));
+    assert_eq!(idx.match_lengths(&[0, 1, 2], 2, 0, &[0, 0]), vec![0, 3]);
+}
+
+#[test]
+fn removals_keep_a_replica_under_its_cap_and_a_resync_starts_it_over() {
+    let idx = PrefixIndex::new(10, 1 << 20);
+    idx.set_capacity(0, Some(0)); // cap_for(0) = 1,024
+    let removed = |hashes: &[u64]| KvEvent::BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium: None,
+    };
+    // A well-behaved engine: stores and removes, churning far past the cap without eviction.
+    let mut evicted = 0;
+    for i in 0..50u64 {
+        let hashes: Vec<u64> = (i * 1000..i * 1000 + 1000).collect();
+        evicted += idx.apply(0, &stored(&hashes));
+        idx.apply(0, &removed(&hashes));
+    }
+    assert_eq!(evicted, 0);
+    assert!(idx.is_empty());
+    assert!(
+        idx.size_bytes() < 4096 * 8,
+        "the order queue is compacted: {}",
+        idx.size_bytes()
+    );
+    idx.apply(0, &stored(&(0..1000).collect::<Vec<_>>()));
+    idx.apply(0, &KvEvent::AllBlocksCleared);
+    assert_eq!(idx.apply(0, &stored(&(5000..6000).collect::<Vec<_>>())), 0);
+    assert_eq!(idx.len(), 1000);
 }
