@@ -4,8 +4,10 @@
 # docs/RELIABILITY.md reports comes from here.
 #   scripts/chaos.sh [--only NAME[,NAME]] [--soak [MINUTES]] [--out DIR]
 # Cases: big_prompt slowloris fd_exhaustion sigkill_replica sigstop_replica sigterm_drain
-#   empty_policy priority_forgery prompt_list kv_events_token nonstream_cancel admin_token;
+#   empty_policy priority_forgery prompt_list kv_events_token nonstream_cancel admin_token
+#   tenant_timing garbage_upstream upstream_bounds event_flood half_close tools_head;
 #   --soak adds a run at the knee with the gateway's RSS sampled every 10 s (default 20 min).
+# The upstream cases run misbehaving replicas from tests/python/fake_replica.py.
 # Env: KVGATE_BIN (default target/release/kvgate, built if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -466,6 +468,203 @@ if want nonstream_cancel; then
     record nonstream_cancel FAIL "still $left requests at the replica ${waited}s later"
   fi
   kill "$ng_pid" 2>/dev/null || true
+fi
+
+# start_fake NAME MODE [ARGS...]: a misbehaving replica (tests/python/fake_replica.py); sets
+# PID and ADDR.
+start_fake() {
+  local name=$1 mode=$2 port
+  shift 2
+  port=$(free_port)
+  python3 "$root/tests/python/fake_replica.py" --port "$port" --mode "$mode" "$@" >"$logs/fake-$name.log" 2>&1 &
+  PID=$!
+  pids+=("$PID")
+  for _ in $(seq 100); do grep -q serving "$logs/fake-$name.log" && break; sleep 0.1; done
+  ADDR=127.0.0.1:$port
+}
+
+if want tenant_timing; then
+  # Two tenants; A sends a ~29k-token message, then B sends the same one, then A again.
+  start_replica tt --time-scale 0; tt_addr=$ADDR
+  export KVGATE_API_KEYS="chaos-key-tenant-a-0123=tenant-a,chaos-key-tenant-b-0123=tenant-b"
+  start_gateway tenants "[\"$tt_addr\"]"; tg_pid=$PID tg=$PORT
+  unset KVGATE_API_KEYS
+  python3 - "http://127.0.0.1:$tg" >"$work/tenants.txt" <<'PY'
+import json, random, statistics, sys, time, urllib.request
+base = sys.argv[1]
+words = "cache prefix block token replica gateway tenant routing latency stream prompt model engine".split()
+def send(key, text):
+    body = json.dumps({"model": "Qwen3-8B", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request(base + "/v1/chat/completions", body,
+                                 {"content-type": "application/json", "authorization": f"Bearer {key}"})
+    t = time.perf_counter()
+    urllib.request.urlopen(req, timeout=60).read()
+    return time.perf_counter() - t
+A, B = "chaos-key-tenant-a-0123", "chaos-key-tenant-b-0123"
+send(A, "warm up " * 50)
+ratios, warm, faster = [], [], 0
+for i in range(12):
+    rnd = random.Random(i)
+    text = " ".join(rnd.choice(words) + str(rnd.randrange(100)) for _ in range(12000))
+    a_cold = send(A, text)
+    b = send(B, text)
+    a_warm = send(A, text)
+    ratios.append(b / a_cold)
+    warm.append(a_warm / a_cold)
+    faster += b < 0.7 * a_cold
+print(round(statistics.median(ratios), 2), round(statistics.median(warm), 2), faster, round(a_cold * 1e3))
+PY
+  read -r b_ratio warm_ratio faster cold_ms <"$work/tenants.txt"
+  if awk -v b="$b_ratio" -v w="$warm_ratio" -v f="$faster" 'BEGIN {exit !(b >= 0.8 && w <= 0.6 && f <= 1)}'; then
+    record tenant_timing PASS "12 pairs of a ~29k-token message (cold ${cold_ms} ms): tenant B after A takes ${b_ratio}x A's cold time (median; $faster of 12 under 0.7x), while A's own repeat takes ${warm_ratio}x — B cannot see A's cache"
+  else
+    record tenant_timing FAIL "B after A ${b_ratio}x A cold (median), $faster of 12 under 0.7x; A repeat ${warm_ratio}x"
+  fi
+  kill "$tg_pid" 2>/dev/null || true
+fi
+
+if want garbage_upstream; then
+  start_fake junk invalid_json; junk=$ADDR
+  start_fake web html; web=$ADDR
+  start_fake good ok; good=$ADDR
+  printf 'version = "garbage"\n[policy]\nkind = "round_robin"\n[[routes]]\nname = "interactive"\nadmission = false\n' >"$work/garbage-policy.toml"
+  start_gateway garbage "[\"$junk\"]" 'outlier_consecutive_errors = 3'; ga_pid=$PID ga=$PORT ga_admin=$ADMIN
+  code_json=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$ga/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"max_tokens":4}')
+  kill "$ga_pid" 2>/dev/null || true
+  cp "$work/garbage-policy.toml" "$work/garbage2-policy.toml"
+  start_gateway garbage2 "[\"$web\"]"; gb_pid=$PID gb=$PORT
+  stream_out=$(curl -s -N "http://127.0.0.1:$gb/v1/chat/completions" -H 'content-type: application/json' -w ' HTTP%{http_code}' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true}')
+  kill "$gb_pid" 2>/dev/null || true
+  cp "$work/garbage-policy.toml" "$work/garbage3-policy.toml"
+  start_gateway garbage3 "[\"$junk\", \"$good\"]" 'outlier_consecutive_errors = 3'; gc_pid=$PID gc=$PORT gc_admin=$ADMIN
+  ok=0
+  for i in $(seq 20); do
+    c=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$gc/v1/chat/completions" -H 'content-type: application/json' \
+      -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"max_tokens":4}')
+    [ "$c" = 200 ] && ok=$((ok + 1))
+  done
+  ejected=$(metric "$gc_admin" kvgate_gateway_outlier_ejections_total)
+  errors=$(metric "$gc_admin" kvgate_gateway_upstream_errors_total)
+  junk_healthy=$(curl -s "http://127.0.0.1:$gc_admin/admin/replicas" | python3 -c "import json,sys; print([r['healthy'] for r in json.load(sys.stdin) if r['name']=='$junk'][0])")
+  if [ "$code_json" = 502 ] && [[ "$stream_out" == *HTTP502 ]] && [ "$ok" = 20 ] && [ "${ejected%.*}" -ge 1 ] && [ "$junk_healthy" = False ]; then
+    record garbage_upstream PASS "invalid JSON answer: $code_json; HTML to a stream: 502, no 200; beside a good replica: 20/20 answered, the junk one ejected after ${errors%.*} unusable answers (outlier ejections ${ejected%.*})"
+  else
+    record garbage_upstream FAIL "invalid JSON $code_json; html stream '${stream_out: -40}'; ok $ok/20; ejections $ejected; junk healthy $junk_healthy"
+  fi
+  kill "$gc_pid" 2>/dev/null || true
+fi
+
+if want upstream_bounds; then
+  start_fake endless endless; e_addr=$ADDR
+  start_fake ebody endless_body; eb_addr=$ADDR
+  start_fake short short_body; sb_addr=$ADDR
+  start_fake mstall models_stall; ms_addr=$ADDR
+  bounds=$'[upstream]\nbody_idle_timeout_ms = 2000'
+  for g in bend bbody bshort bmodels; do
+    printf 'version = "b"\n[policy]\nkind = "round_robin"\n[[routes]]\nname = "interactive"\nadmission = false\n' >"$work/$g-policy.toml"
+  done
+  start_gateway bend "[\"$e_addr\"]"; p1=$PID g1=$PORT
+  start_gateway bbody "[\"$eb_addr\"]" "$bounds"; p2=$PID g2=$PORT
+  start_gateway bshort "[\"$sb_addr\"]" "$bounds"; p3=$PID g3=$PORT
+  start_gateway bmodels "[\"$ms_addr\"]"; p4=$PID g4=$PORT
+  python3 - "$g1" >"$work/endless.txt" <<'PY'
+import json, sys, time, urllib.request
+body = json.dumps({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 16, "stream": True}).encode()
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", body, {"content-type": "application/json"})
+t, tokens, last = time.time(), 0, ""
+with urllib.request.urlopen(req, timeout=60) as r:
+    for line in r:
+        if line.startswith(b"data: {"):
+            last = line.decode().strip()
+            tokens += b'"choices"' in line
+        if time.time() - t > 20:
+            break
+print(tokens, round(time.time() - t, 2), "error" in last and "too_many_tokens" in last)
+PY
+  read -r e_tokens e_secs e_cut <"$work/endless.txt"
+  rss0=$(rss_kib "$p2")
+  t0=$(date +%s.%N)
+  eb_code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 60 "http://127.0.0.1:$g2/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"max_tokens":4}')
+  eb_secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+  eb_grown=$(( ($(rss_kib "$p2") - rss0) / 1024 ))
+  t0=$(date +%s.%N)
+  sb_code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 60 "http://127.0.0.1:$g3/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"max_tokens":4}')
+  sb_secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+  t0=$(date +%s.%N)
+  m_code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 30 "http://127.0.0.1:$g4/v1/models")
+  m_secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+  if [ "$e_cut" = True ] && [ "$e_tokens" -le 33 ] && [ "$eb_code" = 502 ] && [ "$eb_grown" -lt 200 ] \
+    && [ "$sb_code" = 504 ] && [ "$m_code" = 200 ] && awk -v m="$m_secs" -v s="$sb_secs" 'BEGIN {exit !(m < 3 && s < 10)}'; then
+    record upstream_bounds PASS "endless stream, max_tokens 16: cut after $e_tokens token events (${e_secs}s) with too_many_tokens; endless body: $eb_code after ${eb_secs}s, RSS +${eb_grown} MiB; short body: $sb_code after ${sb_secs}s (2 s body deadline); stalled /v1/models: $m_code in ${m_secs}s"
+  else
+    record upstream_bounds FAIL "endless: $e_tokens events, ${e_secs}s, cut $e_cut; body $eb_code ${eb_secs}s +${eb_grown} MiB; short $sb_code ${sb_secs}s; models $m_code ${m_secs}s"
+  fi
+  kill "$p1" "$p2" "$p3" "$p4" 2>/dev/null || true
+fi
+
+if want event_flood; then
+  zport=$(free_port)
+  start_fake flood ok --flood "tcp://127.0.0.1:$zport"; f_addr=$ADDR
+  start_gateway flood "[{ addr = \"$f_addr\", backend = \"vllm\", kv_events = \"tcp://127.0.0.1:$zport\" }]"; fl_pid=$PID fl_admin=$ADMIN
+  rss0=$(rss_kib "$fl_pid")
+  sleep 30
+  blocks=$(metric "$fl_admin" kvgate_gateway_prefix_index_blocks)
+  evicted=$(metric "$fl_admin" kvgate_gateway_prefix_index_evicted_total)
+  rss1=$(rss_kib "$fl_pid")
+  warned=$(grep -c "more KV blocks than its cache holds" "$logs/gateway-flood.log" || true)
+  # The fake says its cache holds 4,096 blocks: the cap is 4,096 + 25% + 1,024.
+  if [ "${blocks%.*}" -le 6144 ] && [ "${evicted%.*}" -gt 0 ] && [ "$warned" -ge 1 ] && [ $(( (rss1 - rss0) / 1024 )) -lt 64 ]; then
+    record event_flood PASS "30 s of BlockStored without removals: ${evicted%.*} blocks evicted, index held at ${blocks%.*} blocks (cap 6,144), gateway RSS $((rss0 / 1024)) -> $((rss1 / 1024)) MiB, $warned log lines"
+  else
+    record event_flood FAIL "blocks $blocks, evicted $evicted, RSS $((rss0 / 1024)) -> $((rss1 / 1024)) MiB, warned $warned"
+  fi
+  kill "$fl_pid" 2>/dev/null || true
+fi
+
+if want half_close; then
+  python3 - "$gw" >"$work/half.txt" <<'PY'
+import json, socket, sys
+out = []
+for stream in (False, True):
+    body = json.dumps({"model": "Qwen3-8B", "messages": [{"role": "user", "content": "Hello"}],
+                       "max_tokens": 8, "stream": stream}).encode()
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    s.shutdown(socket.SHUT_WR)  # as `nc -N` does
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    final = data[data.rfind(b"HTTP/1.1 "):]
+    out.append(final.split(b"\r\n")[0].decode() + (" [DONE]" if b"[DONE]" in final else ""))
+print(" | ".join(out))
+PY
+  half=$(cat "$work/half.txt")
+  if [[ "$half" == "HTTP/1.1 200 OK | HTTP/1.1 200 OK [DONE]" ]]; then
+    record half_close PASS "request sent whole, then SHUT_WR: unstreamed and streamed both answered ($half)"
+  else
+    record half_close FAIL "$half"
+  fi
+fi
+
+if want tools_head; then
+  t1=$(curl -s "$base/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"tools":[1]}' | python3 -c 'import json,sys; e=json.load(sys.stdin)["error"]; print(e.get("param"))')
+  t2=$(curl -s "$base/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"Qwen3-8B","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{}}]}' | python3 -c 'import json,sys; e=json.load(sys.stdin)["error"]; print(e.get("param"))')
+  h1=$(curl -s -o /dev/null -I -w '%{http_code}' "http://127.0.0.1:$gw_admin/admin/policy")
+  h2=$(curl -s -o /dev/null -I -w '%{http_code}' "$base/health")
+  if [ "$t1" = "tools[0]" ] && [ "$t2" = "tools[0].function.name" ] && [ "$h1$h2" = 200200 ]; then
+    record tools_head PASS "tools [1]: 400 naming $t1; a function without a name: 400 naming $t2; HEAD /admin/policy and /health: 200"
+  else
+    record tools_head FAIL "tools [1] param $t1; nameless $t2; HEAD $h1 $h2"
+  fi
 fi
 
 if [ "$soak" = 1 ]; then

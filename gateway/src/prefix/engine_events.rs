@@ -14,7 +14,7 @@
 //! - A block size other than the gateway's is an error the caller reports: the hashes could
 //!   never agree.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use protocol::hashing::{block_hash, root_hash};
 use protocol::kv_events::KvEvent;
@@ -39,6 +39,12 @@ pub struct HashTranslator {
     model: String,
     block_size: usize,
     map: HashMap<u64, (u64, bool)>,
+    /// Engine hashes in the order they were first mapped, for the cap (may hold hashes
+    /// removed since).
+    order: VecDeque<u64>,
+    /// Mappings kept at most: the index's cap for this engine, so an engine that never reports
+    /// its removals cannot grow the map without bound either.
+    cap: usize,
     /// Stored blocks skipped because their parent was unknown.
     pub orphans: u64,
 }
@@ -49,7 +55,27 @@ impl HashTranslator {
             model: model.to_string(),
             block_size,
             map: HashMap::new(),
+            order: VecDeque::new(),
+            cap: usize::MAX,
             orphans: 0,
+        }
+    }
+
+    /// Keeps at most `cap` mappings from now on (the oldest go first).
+    pub fn set_cap(&mut self, cap: usize) {
+        self.cap = cap;
+    }
+
+    fn bound(&mut self) {
+        while self.map.len() > self.cap {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            self.map.remove(&old);
+        }
+        if self.order.len() > 2 * self.map.len() + 1024 {
+            let map = &self.map;
+            self.order.retain(|h| map.contains_key(h));
         }
     }
 
@@ -65,6 +91,7 @@ impl HashTranslator {
     /// Forgets everything (the engine cleared its cache, restarted, or events were lost).
     pub fn clear(&mut self) {
         self.map.clear();
+        self.order.clear();
     }
 
     fn root(&self, lora_id: Option<u64>) -> u64 {
@@ -113,12 +140,16 @@ impl HashTranslator {
                 let mut ours = Vec::with_capacity(block_hashes.len());
                 for (i, engine) in block_hashes.iter().enumerate() {
                     let h = block_hash(parent, &token_ids[i * bs..(i + 1) * bs]);
-                    let entry = self.map.entry(*engine).or_insert((h, false));
+                    let entry = self.map.entry(*engine).or_insert_with(|| {
+                        self.order.push_back(*engine);
+                        (h, false)
+                    });
                     entry.0 = h;
                     entry.1 |= gpu;
                     ours.push(h);
                     parent = h;
                 }
+                self.bound();
                 Ok(Some(KvEvent::BlockStored {
                     block_hashes: ours,
                     parent_block_hash: None,
@@ -157,7 +188,7 @@ impl HashTranslator {
                 }))
             }
             KvEvent::AllBlocksCleared => {
-                self.map.clear();
+                self.clear();
                 Ok(Some(KvEvent::AllBlocksCleared))
             }
         }
@@ -211,6 +242,30 @@ mod tests {
             })
         );
         assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn an_engine_that_never_removes_keeps_only_its_newest_mappings() {
+        let mut t = HashTranslator::new("m", 4);
+        t.set_cap(100);
+        let mut parent = None;
+        for i in 0..1000u64 {
+            t.translate(&stored(vec![i], parent, vec![i as u32; 4]))
+                .unwrap()
+                .unwrap();
+            parent = Some(i);
+        }
+        assert_eq!(t.len(), 100);
+        // The chain goes on from the newest; the oldest are forgotten (their children orphans).
+        assert!(t
+            .translate(&stored(vec![5000], Some(999), vec![1; 4]))
+            .unwrap()
+            .is_some());
+        assert_eq!(
+            t.translate(&stored(vec![5001], Some(3), vec![1; 4]))
+                .unwrap(),
+            None
+        );
     }
 
     #[test]

@@ -66,6 +66,12 @@ impl PrefixIndex {
         }
     }
 
+    /// The reported blocks `replica` may hold now.
+    pub fn cap(&self, replica: usize) -> usize {
+        let (g, r) = self.group(replica);
+        g.caps[r].load(Ordering::Relaxed)
+    }
+
     /// Caps what `replica`'s events may hold at [`cap_for`] its reported cache of `blocks`
     /// (`None`: back to the default).
     pub fn set_capacity(&self, replica: usize, blocks: Option<usize>) {

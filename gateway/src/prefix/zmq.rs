@@ -244,6 +244,7 @@ fn apply(
         }
     };
     let mut stored = false;
+    translator.set_cap(index.cap(slot));
     for ev in &batch.events {
         match translator.translate(ev) {
             Ok(Some(ours)) => {

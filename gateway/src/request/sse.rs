@@ -97,21 +97,21 @@ fn event_end(buf: &[u8]) -> Option<usize> {
 }
 
 static CONTENT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"content\":\""));
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"content\":"));
 static TEXT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"text\":\""));
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"text\":"));
 static USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\""));
 static ERROR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"error\""));
 
-/// Whether an event's payload holds non-empty generated text.
+/// Whether an event's payload holds non-empty generated text (a `"content"` or `"text"` string
+/// that is not empty; compact or spaced JSON alike).
 fn carries_text(payload: &[u8]) -> bool {
     [&*CONTENT, &*TEXT].iter().any(|key| {
         key.find(payload).is_some_and(|i| {
-            payload
-                .get(i + key.needle().len())
-                .is_some_and(|&c| c != b'"')
+            let rest = payload[i + key.needle().len()..].trim_ascii_start();
+            rest.first() == Some(&b'"') && rest.get(1).is_some_and(|&c| c != b'"')
         })
     })
 }
@@ -413,6 +413,9 @@ mod tests {
             tap.oversized && !tap.has_partial(),
             "the buffer is dropped, not grown"
         );
+        let mut tap = SseTap::default();
+        tap.feed(&Bytes::from("data: {\"choices\": [{\"delta\": {\"content\": \"tok \"}}]}\n\ndata: {\"choices\": [{\"delta\": {\"content\": \"\"}}]}\n\n"), &h);
+        assert_eq!(tap.choice_events, 1, "spaced JSON counts its tokens too");
         assert!(is_json_object(b" {\"id\": 1}"));
         assert!(!is_json_object(b"<!doctype html><p>hi"));
         assert!(!is_json_object(b"[1, 2]"));
