@@ -90,6 +90,11 @@ pub struct DownstreamConfig {
     /// Prompt tokens of one request at most, summed over a batched prompt list.
     #[serde(default = "default_max_request_prompt_tokens")]
     pub max_request_prompt_tokens: usize,
+    /// Memory for the chat tokeniser's segment cache (token ids of messages seen before, per
+    /// tenant), MiB. It fills with distinct messages and then stays at this size; a
+    /// conversation's turns are re-tokenised from it rather than from text.
+    #[serde(default = "default_tokenizer_cache_mib")]
+    pub tokenizer_cache_mib: usize,
     /// On SIGTERM: how long in-flight requests may finish before the gateway exits anyway.
     #[serde(default = "default_drain_timeout")]
     pub drain_timeout_s: u64,
@@ -111,6 +116,7 @@ impl Default for DownstreamConfig {
             tokenize_concurrency: 0,
             tokenize_queue_timeout_ms: default_tokenize_wait(),
             max_request_prompt_tokens: default_max_request_prompt_tokens(),
+            tokenizer_cache_mib: default_tokenizer_cache_mib(),
             drain_timeout_s: default_drain_timeout(),
             metrics_on_api_port: false,
         }
@@ -455,6 +461,9 @@ fn default_max_connections() -> usize {
 }
 fn default_tokenize_wait() -> u64 {
     2_000
+}
+fn default_tokenizer_cache_mib() -> usize {
+    16
 }
 fn default_max_request_prompt_tokens() -> usize {
     262_144

@@ -127,11 +127,12 @@ pub async fn build_gateway(
     futures::future::join_all(first.iter().map(|r| registry.check(r))).await;
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
-    let preparer = Preparer::new(
+    let preparer = Preparer::with_cache(
         Arc::new(tokenizer),
         cfg.model.name.clone(),
         cfg.model.block_size,
         metrics.clone(),
+        cfg.downstream.tokenizer_cache_mib << 20,
     );
     let d = &cfg.downstream;
     let tokenizer_slots = match d.tokenize_concurrency {

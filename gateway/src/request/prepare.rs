@@ -50,13 +50,25 @@ fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
 }
 
 impl Preparer {
+    /// A preparer with the default segment cache (64 MiB).
     pub fn new(
         tokenizer: Arc<TextTokenizer>,
         model: String,
         block_size: usize,
         metrics: Arc<GatewayMetrics>,
     ) -> Self {
-        let segments = SegmentCache::new(&tokenizer, 64 << 20);
+        Self::with_cache(tokenizer, model, block_size, metrics, 64 << 20)
+    }
+
+    /// A preparer whose segment cache holds at most `cache_bytes`.
+    pub fn with_cache(
+        tokenizer: Arc<TextTokenizer>,
+        model: String,
+        block_size: usize,
+        metrics: Arc<GatewayMetrics>,
+        cache_bytes: usize,
+    ) -> Self {
+        let segments = SegmentCache::new(&tokenizer, cache_bytes);
         Preparer {
             tokenizer,
             segments,
