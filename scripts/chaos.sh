@@ -10,7 +10,8 @@
 #   PASS when, after the first 10 minutes, RSS stays within 5% of its mean); `--only none
 #   --soak 60` runs the soak alone.
 # The upstream cases run misbehaving replicas from tests/python/fake_replica.py.
-# Env: KVGATE_BIN (default target/release/kvgate, built if missing).
+# Env: KVGATE_BIN (default target/release/kvgate, built if missing); KVGATE_SOAK_RATE (9
+# requests/s); KVGATE_SOAK_GATEWAY_TOML (extra gateway-file lines for the soak's gateway).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -678,7 +679,7 @@ if [ "$soak" = 1 ]; then
     soak_list="$soak_list\"$ADDR\", "
   done
   cp loadtest/policies/shipped_itl150_on.toml "$work/soak-policy.toml"
-  start_gateway soak "[${soak_list%, }]"; sk_pid=$PID sk=$PORT
+  start_gateway soak "[${soak_list%, }]" "${KVGATE_SOAK_GATEWAY_TOML:-}"; sk_pid=$PID sk=$PORT
   samples=$out/soak-rss.csv
   echo "seconds,rss_kib,prefix_index_bytes,tokenizer_cache_bytes" >"$samples"
   ( t=0; while kill -0 "$sk_pid" 2>/dev/null; do

@@ -84,9 +84,16 @@ pub struct DownstreamConfig {
     /// Prompts tokenised at once (0: one per CPU core).
     #[serde(default)]
     pub tokenize_concurrency: usize,
-    /// Longest wait for a tokeniser slot before the request is shed with 429.
-    #[serde(default = "default_tokenize_wait")]
+    /// Longest wait for a tokeniser slot before the request is shed with 429 (0: no timer; a
+    /// request waits while the queue has room).
+    #[serde(default)]
     pub tokenize_queue_timeout_ms: u64,
+    /// Requests that may wait for a tokeniser at once (429 `tokenizer_busy` beyond).
+    #[serde(default = "default_tokenize_queue")]
+    pub tokenize_queue_max: usize,
+    /// Bodies of waiting requests held at most, MiB (429 `tokenizer_busy` beyond).
+    #[serde(default = "default_tokenize_queue_mib")]
+    pub tokenize_queue_max_mib: usize,
     /// Prompt tokens of one request at most, summed over a batched prompt list.
     #[serde(default = "default_max_request_prompt_tokens")]
     pub max_request_prompt_tokens: usize,
@@ -114,7 +121,9 @@ impl Default for DownstreamConfig {
             max_headers: default_max_headers(),
             max_connections: default_max_connections(),
             tokenize_concurrency: 0,
-            tokenize_queue_timeout_ms: default_tokenize_wait(),
+            tokenize_queue_timeout_ms: 0,
+            tokenize_queue_max: default_tokenize_queue(),
+            tokenize_queue_max_mib: default_tokenize_queue_mib(),
             max_request_prompt_tokens: default_max_request_prompt_tokens(),
             tokenizer_cache_mib: default_tokenizer_cache_mib(),
             drain_timeout_s: default_drain_timeout(),
@@ -459,8 +468,11 @@ fn default_max_headers() -> usize {
 fn default_max_connections() -> usize {
     8192
 }
-fn default_tokenize_wait() -> u64 {
-    2_000
+fn default_tokenize_queue() -> usize {
+    1024
+}
+fn default_tokenize_queue_mib() -> usize {
+    256
 }
 fn default_tokenizer_cache_mib() -> usize {
     16

@@ -136,6 +136,64 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // A completions prompt of ~3,600 tokens whose first ~3,000 a request of the same tenant
+    // sent before (inference-perf's shared_prefix shape): prepared by a tenant that never sent
+    // it (every piece tokenised) against the tenant that did (only the new question).
+    let shared: String = (0..150)
+        .map(|k| {
+            format!("Clause {k} of the shared contract binds the supplier to deliver on time. ")
+        })
+        .collect();
+    let prompt = |i: usize| {
+        let q: String = (0..30)
+            .map(|k| format!("Question {i} part {k} asks about the delivery terms here. "))
+            .collect();
+        let body = serde_json::json!({"model": "Qwen3-8B", "prompt": format!("{shared}{q}"), "max_tokens": 16});
+        Bytes::from(serde_json::to_vec(&body).unwrap())
+    };
+    let n = warm
+        .preparer
+        .prepare(
+            Endpoint::Completions,
+            &prompt(0),
+            &Caller::default(),
+            LIMITS,
+        )
+        .unwrap()
+        .prompt_tokens;
+    println!("completions prompt: {n} tokens");
+    let mut g = c.benchmark_group("prepare_completions_shared_prefix");
+    g.sample_size(30);
+    let mut i = 1;
+    g.bench_function("prefix_unseen_by_this_tenant", |b| {
+        b.iter(|| {
+            i += 1;
+            let caller = Caller {
+                session_id: None,
+                tenant_salt: Some(format!("kvgate-tenant:t{i}")),
+            };
+            warm.preparer
+                .prepare(Endpoint::Completions, &prompt(i), &caller, LIMITS)
+                .unwrap()
+                .prompt_tokens
+        })
+    });
+    g.bench_function("prefix_seen_by_this_tenant", |b| {
+        b.iter(|| {
+            i += 1;
+            warm.preparer
+                .prepare(
+                    Endpoint::Completions,
+                    &prompt(i),
+                    &Caller::default(),
+                    LIMITS,
+                )
+                .unwrap()
+                .prompt_tokens
+        })
+    });
+    g.finish();
 }
 
 criterion_group!(benches, bench);

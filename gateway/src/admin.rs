@@ -208,9 +208,10 @@ pub async fn admin_handle(
                         per_prompt: state.model_limit(),
                         per_request: state.max_request_prompt_tokens,
                     };
+                    let rank = priority.rank().clamp(0, 255) as u8;
                     match state
                         .tokenizers
-                        .prepare(endpoint, body, caller, limits)
+                        .prepare(endpoint, body, caller, limits, rank)
                         .await
                     {
                         Ok(p) => {

@@ -35,6 +35,7 @@ use crate::metrics::GatewayMetrics;
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::view::PrefixView;
 use crate::request::prepare::{Preparer, Tokenizers};
+use crate::request::tokenizer_pool::PoolLimits;
 use crate::routes::store::PolicyStore;
 use crate::state::GatewayState;
 
@@ -134,6 +135,19 @@ pub async fn build_gateway(
         metrics.clone(),
         cfg.downstream.tokenizer_cache_mib << 20,
     );
+    match preparer.chunk_support() {
+        c if c.chunking && c.added_prefix.is_some() => tracing::info!(
+            "tokeniser: long prompts are tokenised in pieces, a shared prefix once per tenant"
+        ),
+        c if c.chunking => tracing::info!(
+            "tokeniser: long messages are tokenised in pieces; completions prompts whole (this \
+             tokenizer adds special tokens that cannot be assembled from pieces)"
+        ),
+        _ => tracing::warn!(
+            "tokeniser: this tokenizer does not tokenise cut text to the whole's ids, so every \
+             long prompt is tokenised whole (a shared prefix costs its full tokenisation each time)"
+        ),
+    }
     let d = &cfg.downstream;
     let tokenizer_slots = match d.tokenize_concurrency {
         0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
@@ -142,8 +156,13 @@ pub async fn build_gateway(
     let state = Arc::new(GatewayState {
         tokenizers: Tokenizers::new(
             Arc::new(preparer),
-            tokenizer_slots,
-            Duration::from_millis(d.tokenize_queue_timeout_ms),
+            PoolLimits {
+                slots: tokenizer_slots,
+                max_waiting: d.tokenize_queue_max,
+                max_waiting_bytes: d.tokenize_queue_max_mib << 20,
+                timeout: (d.tokenize_queue_timeout_ms > 0)
+                    .then(|| Duration::from_millis(d.tokenize_queue_timeout_ms)),
+            },
             metrics.clone(),
         ),
         prefix: PrefixView::new(index, cfg.model.block_size),

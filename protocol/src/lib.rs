@@ -17,6 +17,7 @@ pub mod openai_tools;
 pub mod segment_cache;
 pub mod slo;
 pub mod sse;
+pub mod text_chunks;
 pub mod time;
 pub mod token_bound;
 pub mod tokenizer;

@@ -14,6 +14,13 @@
 //! the caller's cache scope, values the ids; eviction is least-recently-used within a byte
 //! budget.
 //!
+//! **Long segments in pieces.** A segment longer than two [`CHUNK_BYTES`] — a long completions
+//! prompt, one long message holding a shared document — is cut where its pieces tokenise to the
+//! whole's ids (`text_chunks.rs`, proven per tokenizer at load) and each piece is cached as a
+//! segment is, so a prompt that shares its first 3,000 tokens with an earlier one tokenises
+//! only the rest. [`SegmentCache::encode_prompt_scoped`] does the same for a completions prompt,
+//! special tokens added.
+//!
 //! **Scoped like the KV cache.** A cache hit is faster than a miss (a 29k-token message
 //! tokenises in well under a millisecond instead of tens), so a cache shared by tenants would
 //! let one tenant confirm a guess of another's exact message by timing. The gateway passes the
@@ -27,10 +34,14 @@ use aho_corasick::{AhoCorasick, MatchKind};
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
 
+use crate::text_chunks::{chunk_bounds, pieces, ChunkSupport};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 
 /// Segments shorter than this are encoded directly: caching them costs more than it saves.
 const MIN_CACHED_BYTES: usize = 32;
+
+/// Pieces a long segment is cut into are at least this long (~250 tokens of prose).
+pub const CHUNK_BYTES: usize = 1024;
 
 struct Slot {
     ids: Arc<[u32]>,
@@ -51,6 +62,9 @@ struct Lru {
 /// Splits on special tokens and caches segment ids.
 pub struct SegmentCache {
     splitter: Option<(AhoCorasick, Vec<u32>)>,
+    /// Whether long segments may be tokenised in pieces, and what special tokens a prompt
+    /// gets before its own ids (checked at load).
+    support: ChunkSupport,
     max_bytes: usize,
     lru: Mutex<Lru>,
 }
@@ -78,10 +92,36 @@ impl SegmentCache {
                 .ok()
                 .map(|ac| (ac, specials.iter().map(|s| s.id).collect()))
         };
+        let support = ChunkSupport::check(tok);
         SegmentCache {
             splitter,
+            support,
             max_bytes,
             lru: Mutex::new(Lru::default()),
+        }
+    }
+
+    /// What the load-time check allowed for this tokenizer.
+    pub fn chunk_support(&self) -> &ChunkSupport {
+        &self.support
+    }
+
+    /// Encodes a whole prompt as `tok.encode(text, true)` does (special tokens added), reusing
+    /// the pieces of it seen before in `scope`; without a proven way to assemble the added
+    /// tokens, it is encoded whole.
+    pub fn encode_prompt_scoped(
+        &self,
+        tok: &TextTokenizer,
+        text: &str,
+        scope: Option<&str>,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        match &self.support.added_prefix {
+            Some(prefix) if self.support.chunking && self.splitter.is_some() => {
+                let mut ids = prefix.clone();
+                ids.extend(self.encode_scoped(tok, text, scope)?);
+                Ok(ids)
+            }
+            _ => tok.encode(text, true),
         }
     }
 
@@ -145,6 +185,26 @@ impl SegmentCache {
             out.extend(tok.encode(seg, false)?);
             return Ok(());
         }
+        if self.support.chunking && seg.len() > 2 * CHUNK_BYTES {
+            let cuts = chunk_bounds(seg, CHUNK_BYTES);
+            if !cuts.is_empty() {
+                for piece in pieces(seg, &cuts) {
+                    self.encode_piece(tok, piece, seed, out)?;
+                }
+                return Ok(());
+            }
+        }
+        self.encode_piece(tok, seg, seed, out)
+    }
+
+    /// Encodes one piece through the cache.
+    fn encode_piece(
+        &self,
+        tok: &TextTokenizer,
+        seg: &str,
+        seed: u64,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
         let key = xxh3_128_with_seed(seg.as_bytes(), seed);
         {
             let mut l = self.lru.lock();

@@ -155,3 +155,70 @@ fn segment_cache_stays_within_its_byte_budget() {
     assert!(s.bytes <= 4096, "{s:?}");
     assert!(s.entries > 0 && s.entries < 200, "{s:?}");
 }
+
+/// Prompts sharing a long prefix and then differing mid-word, inside a whitespace run, or
+/// inside a multi-byte character's word: tokenised through the cache (in pieces, the shared
+/// ones reused) they give exactly the whole-text ids, special tokens added or not.
+fn pieces_equal_whole(tok: &TextTokenizer, what: &str) {
+    use protocol::segment_cache::SegmentCache;
+    let cache = SegmentCache::new(tok, 8 << 20);
+    let support = cache.chunk_support().clone();
+    assert!(support.chunking, "{what}: chunking proven at load");
+    let shared = "You are the support assistant of a logistics company. Quote tracking numbers \
+                  exactly, answer in two sentences, and never invent a delivery date. "
+        .repeat(60);
+    let tails = [
+        "Where is parcel 1234? It was due yester", // a cut mid-word
+        "Where is parcel 1234?   \t  It was due",  // inside a whitespace run
+        "Wo ist das Paket für Jürgen? Ünïcödé 漢字🚀 naïve", // multi-byte characters
+        " leading space, then words",
+        "\n\nNew paragraph after the shared part.",
+    ];
+    let scope = Some("kvgate-tenant:golden");
+    for (i, tail) in tails.iter().enumerate() {
+        let text = format!("{shared}{tail}");
+        let before = cache.stats();
+        let got = cache.encode_prompt_scoped(tok, &text, scope).unwrap();
+        assert_eq!(
+            got,
+            tok.encode(&text, true).unwrap(),
+            "{what}: prompt {i}, special tokens added"
+        );
+        let plain = cache.encode_scoped(tok, &text, scope).unwrap();
+        assert_eq!(
+            plain,
+            tok.encode(&text, false).unwrap(),
+            "{what}: prompt {i}, plain"
+        );
+        if i > 0 {
+            assert!(
+                cache.stats().hits > before.hits,
+                "{what}: prompt {i} reuses the shared pieces"
+            );
+        }
+    }
+    // Cut mid-word at every offset of a stretch: still exact.
+    let text = format!("{shared}supercalifragilisticexpialidocious words follow");
+    for cut in (shared.len()..shared.len() + 40).step_by(3) {
+        let t = &text[..cut];
+        assert_eq!(
+            cache.encode_scoped(tok, t, scope).unwrap(),
+            tok.encode(t, false).unwrap(),
+            "{what}: cut at {cut}"
+        );
+    }
+}
+
+#[test]
+fn qwen3_prompts_tokenised_in_pieces_equal_whole_prompts() {
+    pieces_equal_whole(&qwen3(), "qwen3");
+}
+
+#[test]
+fn smollm2_gguf_prompts_tokenised_in_pieces_equal_whole_prompts() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tok = TextTokenizer::from_gguf(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-models.sh)", path.display()));
+    pieces_equal_whole(&tok, "smollm2");
+}

@@ -72,8 +72,13 @@ impl GatewayConfig {
             ("downstream.header_timeout_ms", d.header_timeout_ms, 100),
             ("downstream.body_timeout_ms", d.body_timeout_ms, 100),
             (
-                "downstream.tokenize_queue_timeout_ms",
-                d.tokenize_queue_timeout_ms,
+                "downstream.tokenize_queue_max",
+                d.tokenize_queue_max as u64,
+                1,
+            ),
+            (
+                "downstream.tokenize_queue_max_mib",
+                d.tokenize_queue_max_mib as u64,
                 1,
             ),
         ] {

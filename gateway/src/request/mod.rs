@@ -25,6 +25,7 @@ pub mod prepare;
 pub mod prepared;
 pub mod relay;
 pub mod sse;
+pub mod tokenizer_pool;
 
 use std::time::Instant;
 
@@ -81,10 +82,11 @@ pub async fn generate(
         state.max_request_prompt_tokens,
     );
 
-    // 1. prepare
+    // 1. prepare (waiting for a tokeniser in priority order)
+    let rank = priority.rank().clamp(0, 255) as u8;
     let prepared = match state
         .tokenizers
-        .prepare(endpoint, body, caller, limits)
+        .prepare(endpoint, body, caller, limits, rank)
         .await
     {
         Ok(p) => p,

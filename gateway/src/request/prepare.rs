@@ -2,25 +2,28 @@
 //! request, put the tenant's cache salt in it, render the chat template and tokenise (with
 //! work bounded by the prompt limit, the segment cache for chat messages), and hash the
 //! prompt's blocks with the protocol crate's one function. Tokenising is CPU work: it runs on
-//! the blocking pool, never on the reactor, and at most `tokenize_concurrency` prompts at once
-//! ([`Tokenizers`]); a request that cannot get a tokeniser in time is shed.
+//! the blocking pool, never on the reactor, at most `tokenize_concurrency` prompts at once, the
+//! others waiting in an ordered, bounded queue ([`Tokenizers`], `tokenizer_pool.rs`). A long
+//! prompt is tokenised in pieces, and a piece its tenant sent before is not tokenised again
+//! (protocol's `segment_cache.rs`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use protocol::hashing::{block_hashes, cacheable_prompt_blocks, root_hash};
 use protocol::openai::{ChatCompletionRequest, CompletionRequest, PromptInput};
 use protocol::segment_cache::{SegmentCache, SegmentCacheStats};
+use protocol::text_chunks::ChunkSupport;
 use protocol::token_bound::LimitCheck;
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
 use serde::Deserialize;
 use serde_json::Value;
-use tokio::sync::Semaphore;
 
 use crate::metrics::GatewayMetrics;
 use crate::request::prepared::{Caller, Endpoint, Prepared, PromptLimits};
+use crate::request::tokenizer_pool::{PoolLimits, TokenizerPool};
 
 /// Bodies up to this size are tokenised on the reactor (see [`Tokenizers::prepare`]).
 pub const INLINE_PREPARE_BYTES: usize = 1024;
@@ -76,6 +79,11 @@ impl Preparer {
             block_size,
             metrics,
         }
+    }
+
+    /// Whether this tokenizer lets long prompts be tokenised in pieces (proven at load).
+    pub fn chunk_support(&self) -> &ChunkSupport {
+        self.segments.chunk_support()
     }
 
     /// The segment cache's counters (hits, misses, bytes held).
@@ -186,7 +194,11 @@ impl Preparer {
                         PromptInput::Text(t) => {
                             let budget = limit.min(limits.per_request.saturating_sub(total));
                             self.encode_bounded(&t, budget, |t| {
-                                Ok(self.tokenizer.encode(t, true)?)
+                                Ok(self.segments.encode_prompt_scoped(
+                                    &self.tokenizer,
+                                    t,
+                                    salt.as_deref(),
+                                )?)
                             })?
                         }
                         PromptInput::Tokens(ids) if ids.len() > limit => {
@@ -260,42 +272,35 @@ impl Preparer {
     }
 }
 
-/// The prepare stage as the request path runs it: a [`Preparer`] behind a bounded number of
-/// tokeniser slots on the blocking pool.
+/// The prepare stage as the request path runs it: a [`Preparer`] behind the tokeniser pool
+/// (`tokenizer_pool.rs`) on the blocking pool.
 pub struct Tokenizers {
     pub preparer: Arc<Preparer>,
-    /// Prompts being tokenised at once.
-    slots: Arc<Semaphore>,
-    /// How long a request may wait for a slot before it is shed.
-    wait: Duration,
+    pool: Arc<TokenizerPool>,
     metrics: Arc<GatewayMetrics>,
 }
 
 impl Tokenizers {
-    pub fn new(
-        preparer: Arc<Preparer>,
-        slots: usize,
-        wait: Duration,
-        metrics: Arc<GatewayMetrics>,
-    ) -> Self {
+    pub fn new(preparer: Arc<Preparer>, limits: PoolLimits, metrics: Arc<GatewayMetrics>) -> Self {
         Tokenizers {
             preparer,
-            slots: Arc::new(Semaphore::new(slots)),
-            wait,
+            pool: TokenizerPool::new(limits),
             metrics,
         }
     }
 
-    /// Prepares `body` on the blocking pool, at most `slots` prompts at once; a request that
-    /// cannot get a slot in time is shed. A small body (at most [`INLINE_PREPARE_BYTES`]: a few
-    /// hundred tokens, tens of microseconds) is prepared where it is, on the reactor — the
-    /// hand-off to the blocking pool and back would cost more than the work.
+    /// Prepares `body` on the blocking pool once a tokeniser is free for a request of priority
+    /// `rank` (its place in the queue), or refuses it when the queue is full. A small body (at
+    /// most [`INLINE_PREPARE_BYTES`]: a few hundred tokens, tens of microseconds) is prepared
+    /// where it is, on the reactor — the hand-off to the blocking pool and back would cost more
+    /// than the work.
     pub async fn prepare(
         &self,
         endpoint: Endpoint,
         body: Bytes,
         caller: Caller,
         limits: PromptLimits,
+        rank: u8,
     ) -> Result<Prepared, ApiError> {
         let started = Instant::now();
         if body.len() <= INLINE_PREPARE_BYTES {
@@ -303,18 +308,23 @@ impl Tokenizers {
             self.record(&p, started);
             return Ok(p);
         }
-        let slot = tokio::time::timeout(self.wait, self.slots.clone().acquire_owned())
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .ok_or_else(|| {
-                ApiError::new(
+        let slot = match self.pool.acquire(rank, body.len()).await {
+            Ok(s) => s,
+            Err(busy) => {
+                self.metrics
+                    .counter(
+                        "kvgate_gateway_tokenizer_refused_total",
+                        &[("reason", busy.label())],
+                    )
+                    .increment(1);
+                return Err(ApiError::new(
                     429,
                     "rate_limit_exceeded",
-                    "every tokeniser is busy; retry shortly",
+                    "every tokeniser is busy and the queue for them is full; retry shortly",
                 )
-                .with_code("tokenizer_busy")
-            })?;
+                .with_code("tokenizer_busy"));
+            }
+        };
         let preparer = self.preparer.clone();
         let p = tokio::task::spawn_blocking(move || {
             let _slot = slot;
