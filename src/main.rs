@@ -10,8 +10,13 @@ mod replica_cmd;
 mod signals;
 mod up;
 
+#[cfg(not(feature = "dhat-heap"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[cfg(feature = "dhat-heap")]
+#[global_allocator]
+static ALLOCATOR: dhat::Alloc = dhat::Alloc;
 
 use anyhow::Result;
 use bench::{run_bench, BenchArgs};
@@ -53,6 +58,9 @@ enum Command {
 /// Errors end the process with one line, `Error: ` and the error's causes joined by `: `
 /// (no backtrace, whatever RUST_BACKTRACE says: they are the user's errors, not ours).
 fn main() -> std::process::ExitCode {
+    // Written to dhat-heap.json when dropped, as `main` returns.
+    #[cfg(feature = "dhat-heap")]
+    let _profiler = dhat::Profiler::new_heap();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

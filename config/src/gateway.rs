@@ -475,7 +475,7 @@ fn default_tokenize_queue_mib() -> usize {
     256
 }
 fn default_tokenizer_cache_mib() -> usize {
-    16
+    8
 }
 fn default_max_request_prompt_tokens() -> usize {
     262_144

@@ -385,6 +385,9 @@ impl Group {
         out
     }
 
+    /// Drops approximate bits older than `max_ttl`, and their records in each replica's
+    /// queue (oldest first): without that the queues only ever shrank at their capacity bound,
+    /// and grew to it — 200k records a replica — however short the records' TTL.
     pub(super) fn expire(&self, now: u32, max_ttl: u32) {
         self.map.retain(|_, e| {
             if now.saturating_sub(e.touched) >= max_ttl {
@@ -392,5 +395,22 @@ impl Group {
             }
             !e.is_empty()
         });
+        for q in &self.approx_lru {
+            let mut q = q.lock();
+            while q
+                .front()
+                .is_some_and(|&(_, at)| now.saturating_sub(at) >= max_ttl)
+            {
+                q.pop_front();
+            }
+            if q.capacity() > 4 * q.len().max(256) {
+                q.shrink_to_fit();
+            }
+        }
+    }
+
+    /// Records in the replicas' approximate queues.
+    pub(super) fn approx_records(&self) -> usize {
+        self.approx_lru.iter().map(|q| q.lock().len()).sum()
     }
 }

@@ -108,8 +108,8 @@ impl PrefixIndex {
 
     /// Estimated memory of the index, for `kvgate_gateway_prefix_index_bytes`.
     pub fn size_bytes(&self) -> usize {
-        let queued: usize = self
-            .groups()
+        let groups = self.groups();
+        let queued: usize = groups
             .iter()
             .flat_map(|g| {
                 g.reported.iter().map(|q| {
@@ -118,7 +118,8 @@ impl PrefixIndex {
                 })
             })
             .sum();
-        self.len() * BYTES_PER_BLOCK + queued * 8
+        let approx: usize = groups.iter().map(|g| g.approx_records()).sum();
+        self.len() * BYTES_PER_BLOCK + queued * 8 + approx * 16
     }
 
     /// Applies one KV event reported by `replica`; returns how many of its oldest blocks were

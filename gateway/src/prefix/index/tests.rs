@@ -182,3 +182,19 @@ fn removals_keep_a_replica_under_its_cap_and_a_resync_starts_it_over() {
     assert_eq!(idx.apply(0, &stored(&(5000..6000).collect::<Vec<_>>())), 0);
     assert_eq!(idx.len(), 1000);
 }
+
+#[test]
+fn expired_approximate_records_leave_their_queue_too() {
+    let idx = PrefixIndex::new(200_000, 1 << 20);
+    for t in 0..100u32 {
+        let hashes: Vec<u64> = (u64::from(t) * 100..u64::from(t) * 100 + 100).collect();
+        idx.record_routed(0, &hashes, t);
+    }
+    assert_eq!(idx.size_bytes(), 10_000 * (BYTES_PER_BLOCK + 16));
+    // A 30 s TTL at t = 100: only the records of the last 30 seconds stay, map and queue.
+    idx.expire(100, 30);
+    assert_eq!(idx.len(), 2_900);
+    assert_eq!(idx.size_bytes(), 2_900 * (BYTES_PER_BLOCK + 16));
+    idx.expire(1_000, 30);
+    assert_eq!(idx.size_bytes(), 0);
+}
