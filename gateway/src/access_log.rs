@@ -1,6 +1,6 @@
 //! The structured access log: one JSON line per request with what an operator asks first —
-//! route, replica, routing reason, tenant, tokens in and cached, tokens out, queue time, TTFT,
-//! end-to-end time, status and error. `off`, `sampled` (a share of successful requests and
+//! route, replica, routing reason, tenant, tokens in and cached, tokens out, queue time and the
+//! holds behind it, TTFT, end-to-end time, status and error. `off`, `sampled` (a share of successful requests and
 //! every one that failed) or `full`; to standard output or appended to a file. Prompts and
 //! answers are never logged.
 
@@ -11,6 +11,17 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use config::gateway::{AccessLogConfig, AccessLogMode};
 use parking_lot::Mutex;
 use serde::Serialize;
+
+/// One hold a request met before it was dispatched (or shed): why, for how long, and what
+/// placement predicted waiting would win — the best replica it could have gone to instead,
+/// less the one it waited for, in seconds of TTFT (when the policy predicts).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct HoldSpan {
+    pub reason: &'static str,
+    pub ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gain_ms: Option<f64>,
+}
 
 /// What one request did, filled in along its way.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -40,6 +51,9 @@ pub struct AccessRecord {
     pub output_tokens: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue_ms: Option<f64>,
+    /// Every hold it met while queued, in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holds: Vec<HoldSpan>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
     /// What placement predicted the replica's time to first token would be.

@@ -475,6 +475,17 @@ impl GatewayMetrics {
             .register_gauge(&Self::route_key(name, route, &[]), &META)
     }
 
+    /// A histogram labelled with a route and fixed, bounded labels.
+    pub fn route_histogram_with(
+        &self,
+        name: &'static str,
+        route: &str,
+        extra: &[(&'static str, &'static str)],
+    ) -> Histogram {
+        self.recorder
+            .register_histogram(&Self::route_key(name, route, extra), &META)
+    }
+
     pub fn route_histogram(&self, name: &'static str, route: &str) -> Histogram {
         self.recorder
             .register_histogram(&Self::route_key(name, route, &[]), &META)

@@ -113,6 +113,68 @@ async fn the_access_log_records_route_replica_tokens_and_timers() {
     let _ = std::fs::remove_file(&path);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holds_reason_and_time_reach_the_access_log_and_the_metric() {
+    // One request at a time on the route: the second of two concurrent requests is held for
+    // `concurrency` until the first ends.
+    let rep = start_replica(|c| c.time_scale = 2.0).await;
+    let file = common::PolicyFileOnDisk::new(
+        "holds",
+        "version = \"holds-1\"\n[policy]\nkind = \"round_robin\"\n[[routes]]\nname = \"one\"\nmax_concurrency = 1\n",
+    );
+    let path = std::env::temp_dir().join(format!("kvgate-holds-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let (log, policy) = (path.display().to_string(), file.path.display().to_string());
+    let gw = start_gateway(&[&rep], |c| {
+        c.access_log.mode = config::gateway::AccessLogMode::Full;
+        c.access_log.path = log;
+        c.policy_file = Some(policy);
+    })
+    .await;
+    let body = |i: u32| {
+        json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": format!("question {i}")}],
+               "max_tokens": 40, "ignore_eos": true})
+    };
+    let (a, b) = tokio::join!(
+        gw.post("/v1/chat/completions", body(1)),
+        gw.post("/v1/chat/completions", body(2))
+    );
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let text = loop {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if text.lines().count() >= 2 || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let _ = std::fs::remove_file(&path);
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let held: Vec<&serde_json::Value> = lines.iter().filter(|l| l["holds"].is_array()).collect();
+    assert_eq!(held.len(), 1, "exactly one of the two waited: {text}");
+    let span = &held[0]["holds"][0];
+    assert_eq!(span["reason"], "concurrency", "{text}");
+    let ms = span["ms"].as_f64().unwrap();
+    assert!(ms > 0.0, "{text}");
+    assert!(
+        held[0]["queue_ms"].as_f64().unwrap() >= ms - 1.0,
+        "the hold is inside the queue time"
+    );
+    let metrics = gw.metrics_text().await;
+    let count = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kvgate_gateway_hold_seconds_count")
+                && l.contains("route=\"one\"")
+                && l.contains("reason=\"concurrency\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(count, Some(1.0), "{metrics}");
+}
+
 fn kvgate_binary() -> std::path::PathBuf {
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)

@@ -17,6 +17,7 @@ use config::Priority;
 use parking_lot::Mutex;
 use protocol::ApiError;
 
+use crate::access_log::HoldSpan;
 use crate::fleet::guards::PendingPrefill;
 use crate::request::place::{Outcome, Placer, Purpose};
 use crate::request::prepared::Prepared;
@@ -27,6 +28,38 @@ use crate::routes::store::{ActivePolicy, ActiveRoute};
 
 /// How often a waiter re-checks without being woken.
 const RECHECK: Duration = Duration::from_millis(20);
+
+/// The holds a request meets while it waits, one span per change of reason; each closed span
+/// goes to the route's `kvgate_gateway_hold_seconds{reason}` and to the access log.
+struct HoldLog<'a> {
+    rt: &'a RouteRuntime,
+    spans: &'a mut Vec<HoldSpan>,
+    /// The hold now: its reason, when it began, its predicted gain.
+    open: Option<(&'static str, Instant, Option<f64>)>,
+}
+
+impl HoldLog<'_> {
+    /// The request is held for `reason` now (`None`: not held any more).
+    fn now(&mut self, reason: Option<&'static str>, gain_s: Option<f64>) {
+        if self.open.map(|o| o.0) == reason {
+            return;
+        }
+        self.close();
+        self.open = reason.map(|r| (r, Instant::now(), gain_s));
+    }
+
+    fn close(&mut self) {
+        if let Some((reason, since, gain_s)) = self.open.take() {
+            let held = since.elapsed().as_secs_f64();
+            self.rt.stats.hold_time(reason, held);
+            self.spans.push(HoldSpan {
+                reason,
+                ms: held * 1e3,
+                gain_ms: gain_s.map(|g| g * 1e3),
+            });
+        }
+    }
+}
 
 /// A place in the queue, given up when dropped (dispatched, shed, or the client went away).
 struct QueuePlace {
@@ -106,7 +139,9 @@ impl Admitter<'_> {
         waited + best > target
     }
 
-    /// Dispatches `p` on `route` now or after a wait in its queue, or refuses it.
+    /// Dispatches `p` on `route` now or after a wait in its queue, or refuses it; every hold it
+    /// met is appended to `holds`.
+    #[allow(clippy::too_many_arguments)]
     pub async fn admit(
         &self,
         a: &ActivePolicy,
@@ -114,8 +149,14 @@ impl Admitter<'_> {
         p: &Prepared,
         priority: Priority,
         arrived: Instant,
+        holds: &mut Vec<HoldSpan>,
     ) -> Result<Admitted, Refusal> {
         let rt = &route.rt;
+        let mut log = HoldLog {
+            rt,
+            spans: holds,
+            open: None,
+        };
         let timeout = Duration::from_millis(route.cfg.queue_timeout_ms);
         let patience = match route.slo.ttft {
             Some(t) if route.cfg.admission => t.min(timeout),
@@ -141,8 +182,10 @@ impl Admitter<'_> {
                 let placed = self
                     .placer
                     .place(a, route, p, &matched, Purpose::Dispatch { waited });
+                let gain = placed.hold_gain_s();
                 match placed.outcome {
                     Outcome::Go(d) => {
+                        log.now(None, None);
                         let (fleet, prefix) = (self.placer.fleet, self.placer.prefix);
                         fleet.note_dispatch(d.replica, p.prompt_tokens as u64);
                         prefix.sent(d.replica, p.blocks(), Some(&matched), fleet.now_s());
@@ -165,16 +208,23 @@ impl Admitter<'_> {
                         drop(place);
                         return Ok(admitted);
                     }
-                    Outcome::Fail(e) => return Err(Refusal::Error(e)),
+                    Outcome::Fail(e) => {
+                        log.now(None, None);
+                        return Err(Refusal::Error(e));
+                    }
                     Outcome::Hold { reason, blocking } => {
                         if place.is_none() {
                             rt.stats.held(reason);
                         }
+                        log.now(Some(reason), gain);
                         held_by = Some(blocking);
                     }
                 }
-            } else if place.is_none() {
-                rt.stats.held("queue_order");
+            } else {
+                if place.is_none() {
+                    rt.stats.held("queue_order");
+                }
+                log.now(Some("queue_order"), None);
             }
             let retry = || rt.queue.retry_after(self.pool_prefill_rate(route));
             if place.is_none() {
@@ -192,6 +242,7 @@ impl Admitter<'_> {
                         rt.update_gauges();
                     }
                     Err(shed) => {
+                        log.now(None, None);
                         rt.stats.shed(rt.now_s(), shed.label());
                         return Err(Refusal::Shed(shed));
                     }
@@ -212,6 +263,7 @@ impl Admitter<'_> {
                 None
             };
             if let Some(shed) = shed {
+                log.now(None, None);
                 drop(place);
                 rt.stats.shed(rt.now_s(), shed.label());
                 return Err(Refusal::Shed(shed));

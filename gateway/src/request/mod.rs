@@ -105,7 +105,7 @@ pub async fn generate(
     // 3. admit (asking 4. place)
     let admitted = match state
         .admitter()
-        .admit(&active, route, &prepared, priority, started)
+        .admit(&active, route, &prepared, priority, started, &mut rec.holds)
         .await
     {
         Ok(a) => a,

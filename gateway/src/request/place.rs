@@ -89,6 +89,25 @@ pub struct Placement {
     pub preferred: Option<RouteDecision>,
 }
 
+impl Placement {
+    /// What holding is predicted to win, seconds: the best TTFT among the replicas the request
+    /// could go to now, less the TTFT at the one it waits for (`None` when the policy does not
+    /// predict, or nothing else is open).
+    pub fn hold_gain_s(&self) -> Option<f64> {
+        let want = self.preferred.as_ref()?;
+        let at = want.predicted_ttft_s()?;
+        let best_open = want
+            .scores
+            .iter()
+            .filter(|s| {
+                s.replica != want.replica && !self.held.iter().any(|(h, _)| *h == s.replica)
+            })
+            .filter_map(|s| s.estimate.map(|e| e.ttft_s))
+            .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.min(x))))?;
+        Some(best_open - at)
+    }
+}
+
 /// What one placement asks the policy about, whatever the replicas it may choose from.
 #[derive(Clone, Copy)]
 struct Ask<'a> {

@@ -97,6 +97,8 @@ pub struct RouteStats {
     pub queued: Gauge,
     shed: Vec<(&'static str, Counter)>,
     holds: Vec<(&'static str, Counter)>,
+    /// Seconds requests spent in each kind of hold.
+    hold_seconds: Vec<(&'static str, Histogram)>,
     window: Mutex<Window>,
 }
 
@@ -165,6 +167,19 @@ impl RouteStats {
                     )
                 })
                 .collect(),
+            hold_seconds: HOLD_REASONS
+                .iter()
+                .map(|r| {
+                    (
+                        *r,
+                        m.route_histogram_with(
+                            "kvgate_gateway_hold_seconds",
+                            route,
+                            &[("reason", r)],
+                        ),
+                    )
+                })
+                .collect(),
             window: Mutex::new(Window::default()),
         }
     }
@@ -213,6 +228,13 @@ impl RouteStats {
     pub fn held(&self, reason: &'static str) {
         if let Some((_, c)) = self.holds.iter().find(|(r, _)| *r == reason) {
             c.increment(1);
+        }
+    }
+
+    /// Records time a request spent in one hold.
+    pub fn hold_time(&self, reason: &'static str, seconds: f64) {
+        if let Some((_, h)) = self.hold_seconds.iter().find(|(r, _)| *r == reason) {
+            h.record(seconds);
         }
     }
 
