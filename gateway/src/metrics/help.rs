@@ -98,6 +98,10 @@ const COUNTERS: &[(&str, &str)] = &[
         "Responses cut after their first byte, by reason (upstream_error, idle_timeout, replica_ejected, drain)",
     ),
     (
+        "kvgate_gateway_holds_lost_total",
+        "Requests that waited for one replica and were then sent to another (the wait did not pay), by route",
+    ),
+    (
         "kvgate_gateway_tokenizer_refused_total",
         "Requests refused for want of a tokeniser, by reason (queue_full, queue_timeout)",
     ),

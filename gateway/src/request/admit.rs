@@ -36,6 +36,8 @@ struct HoldLog<'a> {
     spans: &'a mut Vec<HoldSpan>,
     /// The hold now: its reason, when it began, its predicted gain.
     open: Option<(&'static str, Instant, Option<f64>)>,
+    /// The replica the request last waited for.
+    waited_for: Option<usize>,
 }
 
 impl HoldLog<'_> {
@@ -156,6 +158,7 @@ impl Admitter<'_> {
             rt,
             spans: holds,
             open: None,
+            waited_for: None,
         };
         let timeout = Duration::from_millis(route.cfg.queue_timeout_ms);
         let patience = match route.slo.ttft {
@@ -183,9 +186,13 @@ impl Admitter<'_> {
                     .placer
                     .place(a, route, p, &matched, Purpose::Dispatch { waited });
                 let gain = placed.hold_gain_s();
+                let wanted = placed.preferred.as_ref().map(|d| d.replica);
                 match placed.outcome {
                     Outcome::Go(d) => {
                         log.now(None, None);
+                        if log.waited_for.is_some_and(|w| w != d.replica) {
+                            rt.stats.holds_lost.increment(1);
+                        }
                         let (fleet, prefix) = (self.placer.fleet, self.placer.prefix);
                         fleet.note_dispatch(d.replica, p.prompt_tokens as u64);
                         prefix.sent(d.replica, p.blocks(), Some(&matched), fleet.now_s());
@@ -217,6 +224,9 @@ impl Admitter<'_> {
                             rt.stats.held(reason);
                         }
                         log.now(Some(reason), gain);
+                        if !blocking {
+                            log.waited_for = wanted;
+                        }
                         held_by = Some(blocking);
                     }
                 }

@@ -94,18 +94,22 @@ impl Placement {
     /// could go to now, less the TTFT at the one it waits for (`None` when the policy does not
     /// predict, or nothing else is open).
     pub fn hold_gain_s(&self) -> Option<f64> {
-        let want = self.preferred.as_ref()?;
-        let at = want.predicted_ttft_s()?;
-        let best_open = want
-            .scores
-            .iter()
-            .filter(|s| {
-                s.replica != want.replica && !self.held.iter().any(|(h, _)| *h == s.replica)
-            })
-            .filter_map(|s| s.estimate.map(|e| e.ttft_s))
-            .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.min(x))))?;
-        Some(best_open - at)
+        let held: Vec<usize> = self.held.iter().map(|(h, _)| *h).collect();
+        gain_s(self.preferred.as_ref()?, &held)
     }
+}
+
+/// The best predicted TTFT among `want`'s scored replicas other than its choice and those in
+/// `closed`, less the TTFT at its choice: what waiting for the choice is predicted to win.
+fn gain_s(want: &RouteDecision, closed: &[usize]) -> Option<f64> {
+    let at = want.predicted_ttft_s()?;
+    let best_open = want
+        .scores
+        .iter()
+        .filter(|s| s.replica != want.replica && !closed.contains(&s.replica))
+        .filter_map(|s| s.estimate.map(|e| e.ttft_s))
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.min(x))))?;
+    Some(best_open - at)
 }
 
 /// What one placement asks the policy about, whatever the replicas it may choose from.
@@ -251,15 +255,22 @@ impl Placer<'_> {
         // Affinity patience: when the replica the policy prefers (ignoring admission) is held
         // and no admissible replica holds as much of the prompt, wait for it rather than send
         // the request where it must be prefilled again — that extra prefill is what stalls
-        // everyone's decode and breaks the promise admission is keeping. After half the TTFT
-        // budget, take an admissible replica anyway.
+        // everyone's decode and breaks the promise admission is keeping. Priced in seconds:
+        // wait only while the time waited is under what waiting is predicted to win (the best
+        // open replica's predicted TTFT less the preferred one's), so a request never waits
+        // longer than its predicted gain; for a policy that does not predict in seconds, half
+        // the TTFT budget (or of the queue timeout) as before.
         let patience = route
             .slo
             .ttft
             .map_or(Duration::from_millis(cfg.queue_timeout_ms / 2), |t| {
                 t.mul_f64(a.file.admission_headroom / 2.0)
             });
-        if let Some(pref) = placement.preferred.as_ref().filter(|_| waited < patience) {
+        let patient = match placement.hold_gain_s() {
+            Some(gain) => waited.as_secs_f64() < gain,
+            None => waited < patience,
+        };
+        if let Some(pref) = placement.preferred.as_ref().filter(|_| patient) {
             if let Some((_, why)) = placement.held.iter().find(|(i, _)| *i == pref.replica) {
                 let best_admissible = route
                     .pool
@@ -277,7 +288,12 @@ impl Placer<'_> {
             }
         }
         placement.outcome = match self.decide(&placement.fleet, &ask, &exclude, dry_run) {
-            Ok(d) if self.prefix_in_flight(a, p, &d, waited) => {
+            // Waiting for a prefix in flight is priced as patience is: never longer than
+            // what the replica computing it is predicted to win over the best other one.
+            Ok(d)
+                if self.prefix_in_flight(a, p, &d, waited)
+                    && gain_s(&d, &exclude).is_none_or(|g| waited.as_secs_f64() < g) =>
+            {
                 placement.preferred = Some(d);
                 Outcome::Hold {
                     reason: "prefix_in_flight",
@@ -361,3 +377,6 @@ impl Placer<'_> {
             .map_err(|e| ApiError::unavailable(e.to_string()).with_code("no_healthy_replica"))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -99,6 +99,8 @@ pub struct RouteStats {
     holds: Vec<(&'static str, Counter)>,
     /// Seconds requests spent in each kind of hold.
     hold_seconds: Vec<(&'static str, Histogram)>,
+    /// Requests that waited for one replica and then went to another.
+    pub holds_lost: Counter,
     window: Mutex<Window>,
 }
 
@@ -180,6 +182,7 @@ impl RouteStats {
                     )
                 })
                 .collect(),
+            holds_lost: m.route_counter("kvgate_gateway_holds_lost_total", route, &[]),
             window: Mutex::new(Window::default()),
         }
     }

@@ -1,0 +1,129 @@
+use std::sync::Arc;
+
+use config::{GatewayConfig, PolicyConfig, PolicyFile};
+
+use super::*;
+use crate::fleet::client::http_client;
+use crate::fleet::guards::PendingPrefill;
+use crate::metrics::GatewayMetrics;
+use crate::prefix::index::PrefixIndex;
+use crate::prefix::zmq::EventSink;
+use crate::request::prepared::Endpoint;
+use crate::routes::store::PolicyStore;
+
+/// Two healthy replicas with live KV events and the same learnt speed (1,000 tokens/s, 10 ms
+/// overhead), a `prefix_aware` catch-all route without a promise, and a 64-block prompt.
+struct Fleet {
+    registry: Arc<Registry>,
+    prefix: PrefixView,
+    policies: PolicyStore,
+    prompt: Prepared,
+}
+
+fn fleet() -> Fleet {
+    let names: Vec<String> = vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()];
+    let cfg = GatewayConfig::with_replicas(names.clone());
+    let index = Arc::new(PrefixIndex::new(10_000, 1 << 20));
+    let metrics = Arc::new(GatewayMetrics::new());
+    let registry = Arc::new(Registry::new(
+        &cfg,
+        index.clone(),
+        http_client(Duration::from_millis(100)),
+        None,
+        metrics.clone(),
+    ));
+    for r in registry.replicas().iter() {
+        registry.set_healthy(r.slot, true);
+        r.set_live(true);
+        r.model.lock().set_prior(1_000.0, 0.01);
+    }
+    let mut file = PolicyFile::single(PolicyConfig::default());
+    file.prefix_in_flight_wait_ms = 60_000;
+    let policies = PolicyStore::new(
+        file,
+        None,
+        None,
+        names.into_iter().enumerate().collect(),
+        metrics,
+    );
+    let hashes: Vec<u64> = (1..=64).collect();
+    let prompt = Prepared {
+        endpoint: Endpoint::Completions,
+        stream: false,
+        prompt_tokens: 64 * 16 + 8,
+        largest_prompt_tokens: 64 * 16 + 8,
+        hashes: hashes.into(),
+        cacheable: 64,
+        session_id: None,
+        max_token_events: None,
+        tokenize_seconds: 0.0,
+        doc: Arc::new(serde_json::Map::new()),
+    };
+    Fleet {
+        registry,
+        prefix: PrefixView::new(index, 16),
+        policies,
+        prompt,
+    }
+}
+
+/// A request whose prefix replica 0 is still prefilling for an earlier one waits for it only
+/// while waiting is predicted to beat going to replica 1 now — never longer than that gain,
+/// on a route without a promise — and the wait's predicted gain is what explain and the access
+/// log show.
+#[test]
+fn a_prefix_in_flight_is_waited_for_no_longer_than_its_predicted_gain() {
+    let f = fleet();
+    let placer = Placer {
+        fleet: &f.registry,
+        prefix: &f.prefix,
+    };
+    let p = &f.prompt;
+    // The earlier request carrying the prefix, sent to replica 0 and not answered yet: 300 of
+    // its tokens still to prefill there (the speculative record says replica 0 holds it all).
+    let holder = f.registry.replica(0).unwrap();
+    let (_carrier, _) = PendingPrefill::new(holder, 300, p.hashes.clone());
+    f.prefix.sent(0, p.blocks(), None, f.registry.now_s());
+    let active = f.policies.load();
+    let route = &active.routes[0];
+    assert!(route.slo.ttft.is_none(), "a route without a promise");
+    let matched = placer.matched(p);
+    assert_eq!(matched, vec![64, 0]);
+
+    let at = |waited_ms: u64| {
+        placer.place(
+            &active,
+            route,
+            p,
+            &matched,
+            Purpose::Dispatch {
+                waited: Duration::from_millis(waited_ms),
+            },
+        )
+    };
+    let first = at(0);
+    assert!(
+        matches!(
+            first.outcome,
+            Outcome::Hold {
+                reason: "prefix_in_flight",
+                blocking: false
+            }
+        ),
+        "{:?}",
+        first.outcome
+    );
+    // Replica 1 would prefill all 1,032 tokens cold (~1.04 s); replica 0 has ~0.3 s of the
+    // carrier's prefill left and then 8 tokens of its own: waiting is worth ~0.7 s.
+    let gain = first
+        .hold_gain_s()
+        .expect("prefix_aware predicts in seconds");
+    assert!((0.5..0.9).contains(&gain), "gain {gain}");
+    let gain_ms = (gain * 1e3) as u64;
+    assert!(matches!(at(gain_ms / 2).outcome, Outcome::Hold { .. }));
+    // Past its predicted gain it waits no more (the configured cap is a minute).
+    match at(gain_ms + 1).outcome {
+        Outcome::Go(d) => assert_eq!(d.replica, 0, "it still goes where the prefix is"),
+        o => panic!("held past its predicted gain: {o:?}"),
+    }
+}
