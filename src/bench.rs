@@ -15,7 +15,8 @@ pub struct BenchArgs {
     /// Model name sent in every request (the served name).
     #[arg(long, default_value = "Qwen3-8B")]
     pub model: String,
-    /// chat, agent, rag, mixed-tail, bursty (popular prefixes in clusters) or trace (with --trace).
+    /// chat, agent, rag, mixed-tail, bursty (popular prefixes in clusters), apps (16 Zipf-popular
+    /// applications with 1k–6k-token system prompts, multi-turn) or trace (with --trace).
     #[arg(long, default_value = "chat")]
     pub workload: String,
     /// JSONL trace to replay (timestamp + prompt or messages + max_tokens per line). Its
@@ -86,7 +87,7 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         }
         ("trace", None) => bail!("--workload trace needs --trace FILE"),
         (w, None) => Workload::Generated(loadtest::workload::Kind::parse(w).ok_or_else(|| {
-            anyhow!("--workload must be chat, agent, rag, mixed-tail, bursty or trace")
+            anyhow!("--workload must be chat, agent, rag, mixed-tail, bursty, apps or trace")
         })?),
     };
     let rates: Vec<f64> = match (a.rate, a.rates.is_empty()) {

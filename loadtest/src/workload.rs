@@ -12,6 +12,10 @@
 //! - `mixed_tail`: `chat` plus a small share of 32k-token prompts (the prompt-length tail).
 //! - `bursty`: popular long system prompts arriving in clusters (`bursty.rs`; it brings its
 //!   own arrival process).
+//! - `apps`: the tail-heavy shape of issue 28 — 16 applications whose system prompts run from
+//!   about 1k to 6k tokens, Zipf-popular (the first draws ~30% of sessions), each session of 2
+//!   to 10 turns resending its history; a popular application's long prompt is what one
+//!   replica must not hoard.
 
 use crate::arrival::Rng;
 use protocol::openai::ChatMessage;
@@ -28,6 +32,7 @@ pub enum Kind {
     Rag,
     MixedTail,
     Bursty,
+    Apps,
 }
 
 impl Kind {
@@ -38,6 +43,7 @@ impl Kind {
             Kind::Rag => "rag",
             Kind::MixedTail => "mixed-tail",
             Kind::Bursty => "bursty",
+            Kind::Apps => "apps",
         }
     }
 
@@ -48,6 +54,7 @@ impl Kind {
             "rag" => Some(Kind::Rag),
             "mixed-tail" | "mixed_tail" => Some(Kind::MixedTail),
             "bursty" => Some(Kind::Bursty),
+            "apps" => Some(Kind::Apps),
             _ => None,
         }
     }
@@ -64,6 +71,7 @@ pub fn generate(kind: Kind, n: usize, seed: u64) -> Vec<WorkItem> {
     match kind {
         Kind::Chat => chat(&mut rng, n),
         Kind::Agent => agent(&mut rng, n),
+        Kind::Apps => apps(&mut rng, n),
         // The items of a bursty plan at 5 requests/s (their arrival times are part of the
         // workload: `bursty::plan`).
         Kind::Bursty => crate::bursty::plan(5.0, std::time::Duration::MAX, n, seed).1,
@@ -132,6 +140,57 @@ fn chat(rng: &mut Rng, n: usize) -> Vec<WorkItem> {
         let words = length(rng, 250.0, 0.4, 20, 1_500);
         let reply = text(rng, words);
         s.history.push(ChatMessage::new("assistant", &reply));
+        s.turns_left -= 1;
+        if s.turns_left == 0 {
+            live.swap_remove(k);
+        }
+    }
+    out
+}
+
+/// 16 applications (system prompts of 1k–6k words), chosen Zipf-wise for each new session;
+/// sessions of 2–10 turns interleave, every turn resending the history.
+fn apps(rng: &mut Rng, n: usize) -> Vec<WorkItem> {
+    let systems: Vec<String> = (0..16)
+        .map(|_| {
+            let words = 1_000 + rng.below(5_001) as usize;
+            text(rng, words)
+        })
+        .collect();
+    // Zipf with s = 1: application k is chosen with weight 1 / (k + 1).
+    let weights: Vec<f64> = (0..systems.len()).map(|k| 1.0 / (k as f64 + 1.0)).collect();
+    let total: f64 = weights.iter().sum();
+    struct Session {
+        id: u64,
+        history: Vec<ChatMessage>,
+        turns_left: usize,
+    }
+    let mut live: Vec<Session> = Vec::new();
+    let mut next_id = 0u64;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        while live.len() < 24 {
+            let mut pick = rng.below(1_000_000) as f64 / 1_000_000.0 * total;
+            let mut app = 0;
+            while app + 1 < weights.len() && pick >= weights[app] {
+                pick -= weights[app];
+                app += 1;
+            }
+            live.push(Session {
+                id: next_id,
+                history: vec![ChatMessage::new("system", &systems[app])],
+                turns_left: 2 + rng.below(9) as usize,
+            });
+            next_id += 1;
+        }
+        let k = rng.below(live.len() as u64) as usize;
+        let s = &mut live[k];
+        let words = length(rng, 60.0, 0.5, 5, 600);
+        s.history.push(ChatMessage::new("user", &text(rng, words)));
+        out.push(item(Some(s.id), s.history.clone(), 128));
+        let words = length(rng, 150.0, 0.4, 20, 800);
+        s.history
+            .push(ChatMessage::new("assistant", &text(rng, words)));
         s.turns_left -= 1;
         if s.turns_left == 0 {
             live.swap_remove(k);
@@ -228,6 +287,32 @@ mod tests {
             })
             .collect();
         assert!(firsts.len() > 95, "rag contexts are unique");
+    }
+
+    #[test]
+    fn apps_have_long_zipf_popular_system_prompts_and_multi_turn_sessions() {
+        let w = generate(Kind::Apps, 3_000, 7);
+        assert_eq!(w, generate(Kind::Apps, 3_000, 7), "seeded");
+        let system = |r: &WorkItem| match &r.messages[0].content {
+            Some(protocol::openai::MessageContent::Text(t)) => t.clone(),
+            _ => String::new(),
+        };
+        let mut by_app: std::collections::HashMap<String, usize> = Default::default();
+        for r in &w {
+            *by_app.entry(system(r)).or_default() += 1;
+        }
+        assert!(
+            by_app.len() >= 12,
+            "most of the 16 applications appear: {}",
+            by_app.len()
+        );
+        let top = *by_app.values().max().unwrap() as f64 / w.len() as f64;
+        assert!((0.2..0.5).contains(&top), "the most popular draws {top:.2}");
+        let words = |t: &str| t.split_whitespace().count();
+        assert!(by_app.keys().all(|t| (1_000..=6_000).contains(&words(t))));
+        let sessions: std::collections::HashSet<u64> = w.iter().filter_map(|r| r.session).collect();
+        let turns = w.len() as f64 / sessions.len() as f64;
+        assert!((4.0..8.0).contains(&turns), "{turns} turns a session");
     }
 
     #[test]
