@@ -156,8 +156,11 @@ impl Group {
                 Self::compact(&mut q.gpu, live, |h| self.has(h, bit, Tier::Gpu));
                 0
             }
+            // The engine's whole cache is gone, so are the blocks requests sent there were
+            // taken to have: speculative records too, or the next request would be sent there
+            // for a prefix the engine must prefill cold (issue 29: vLLM's reset_prefix_cache).
             KvEvent::AllBlocksCleared => {
-                self.clear_exact(replica);
+                self.remove_replica(replica);
                 0
             }
         }

@@ -198,3 +198,18 @@ fn expired_approximate_records_leave_their_queue_too() {
     idx.expire(1_000, 30);
     assert_eq!(idx.size_bytes(), 0);
 }
+
+#[test]
+fn all_blocks_cleared_drops_the_speculative_records_too() {
+    let idx = PrefixIndex::new(1000, 1 << 20);
+    idx.apply(0, &stored(&[1, 2]));
+    idx.record_routed(0, &[1, 2, 3, 4], 5);
+    idx.record_routed(1, &[1, 2, 3, 4], 5);
+    assert_eq!(idx.match_lengths(&[1, 2, 3, 4], 2, 6, &[30, 30]), vec![4, 4]);
+    idx.apply(0, &KvEvent::AllBlocksCleared);
+    assert_eq!(
+        idx.match_lengths(&[1, 2, 3, 4], 2, 6, &[30, 30]),
+        vec![0, 4],
+        "replica 0 holds nothing, not even what was sent there; replica 1 is untouched"
+    );
+}
