@@ -423,6 +423,21 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
     );
     assert_eq!(learnt["ttft_observations"], 1, "{after}");
     assert!(learnt["itl_ms_batch_1"].as_f64().unwrap() > 0.0, "{after}");
+    // Unstreamed answers teach it too: a one-token answer's time is its TTFT, a longer one's
+    // less its decode at the learnt step.
+    for max_tokens in [1, 12] {
+        let r = gw
+            .post(
+                "/v1/chat/completions",
+                json!({"model": "Qwen3-8B", "messages": [{"role": "user", "content": system_prompt("whole")}],
+                       "max_tokens": max_tokens, "ignore_eos": true}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await.unwrap();
+    }
+    let whole = gw.admin_json("/admin/replicas").await;
+    assert_eq!(whole[0]["learnt"]["ttft_observations"], 3, "{whole}");
 }
 
 /// A burst's follower, sent while the first request is still prefilling the prefix they share,

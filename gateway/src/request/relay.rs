@@ -131,6 +131,28 @@ impl Relay<'_> {
             .increment(1);
     }
 
+    /// Teaches the replica's TTFT fit from an unstreamed answer: its time from sending, less
+    /// the decode its other tokens took (at the learnt decode step; a one-token answer needs
+    /// none). Without it a fleet serving only unstreamed requests — batch clients, many SDK
+    /// calls — would be predicted from the prior forever (issue 29: a real vLLM at ~230
+    /// tokens/s was priced at the 8,000 default). Skipped while the step is not known.
+    fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) {
+        let total = now - ctx.sent_at;
+        let mut model = ctx.replica.model.lock();
+        let decode = match output_tokens {
+            0 | 1 => Some(Duration::ZERO),
+            n => {
+                let batch = ctx.replica.load().requests().max(1);
+                model
+                    .predict_itl(batch)
+                    .map(|step| step.mul_f64((n - 1) as f64))
+            }
+        };
+        if let Some(prefill) = decode.and_then(|d| total.checked_sub(d)) {
+            model.observe_ttft(ctx.ahead_tokens, ctx.uncached_tokens, prefill);
+        }
+    }
+
     /// Takes the answer whose head arrived to the client; returns the status the client got.
     pub async fn relay(
         &self,
@@ -229,6 +251,7 @@ impl Relay<'_> {
             if let Ok(a) = serde_json::from_slice::<AnswerUsage>(&body) {
                 let usage = a.usage.unwrap_or_default();
                 output_tokens = usage.completion_tokens.unwrap_or(1);
+                Self::learn_from_whole(ctx, now, output_tokens);
                 let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
                 rec.cached_tokens = cached;
                 if cached.is_some_and(|c| ctx.hits.shown_tokens(c) != c) {

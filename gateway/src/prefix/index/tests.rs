@@ -205,7 +205,10 @@ fn all_blocks_cleared_drops_the_speculative_records_too() {
     idx.apply(0, &stored(&[1, 2]));
     idx.record_routed(0, &[1, 2, 3, 4], 5);
     idx.record_routed(1, &[1, 2, 3, 4], 5);
-    assert_eq!(idx.match_lengths(&[1, 2, 3, 4], 2, 6, &[30, 30]), vec![4, 4]);
+    assert_eq!(
+        idx.match_lengths(&[1, 2, 3, 4], 2, 6, &[30, 30]),
+        vec![4, 4]
+    );
     idx.apply(0, &KvEvent::AllBlocksCleared);
     assert_eq!(
         idx.match_lengths(&[1, 2, 3, 4], 2, 6, &[30, 30]),
