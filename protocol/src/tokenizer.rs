@@ -156,6 +156,21 @@ impl TextTokenizer {
         } else {
             Value::Null
         };
+        // Newer Hugging Face folders keep the chat template in its own file.
+        let mut config = config;
+        let jinja = dir.join("chat_template.jinja");
+        if chat_template_source(&config).is_none() && jinja.exists() {
+            let text = std::fs::read_to_string(&jinja).map_err(|e| TokenizerError::Read {
+                path: jinja.clone(),
+                reason: e.to_string(),
+            })?;
+            match &mut config {
+                Value::Object(m) => {
+                    m.insert("chat_template".into(), Value::String(text));
+                }
+                other => *other = serde_json::json!({ "chat_template": text }),
+            }
+        }
         Self::build(inner, &config, dir)
     }
 

@@ -222,3 +222,30 @@ fn smollm2_gguf_prompts_tokenised_in_pieces_equal_whole_prompts() {
         .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-models.sh)", path.display()));
     pieces_equal_whole(&tok, "smollm2");
 }
+
+/// Newer Hugging Face folders (transformers 5) keep the chat template in `chat_template.jinja`
+/// rather than in `tokenizer_config.json`: the folder loads with its template either way.
+#[test]
+fn a_chat_template_in_its_own_file_is_found() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3");
+    let dir = std::env::temp_dir().join(format!("kvgate-jinja-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    let template = cfg["chat_template"].as_str().unwrap().to_string();
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let without = TextTokenizer::from_dir(&dir).unwrap();
+    assert!(!without.has_chat_template());
+    std::fs::write(dir.join("chat_template.jinja"), &template).unwrap();
+    let with = TextTokenizer::from_dir(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(with.has_chat_template());
+    let msgs = vec![ChatMessage::new("user", "hi")];
+    assert_eq!(
+        with.apply_chat_template(&msgs, true, None, None).unwrap(),
+        qwen3().apply_chat_template(&msgs, true, None, None).unwrap()
+    );
+}
