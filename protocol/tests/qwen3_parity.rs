@@ -246,6 +246,8 @@ fn a_chat_template_in_its_own_file_is_found() {
     let msgs = vec![ChatMessage::new("user", "hi")];
     assert_eq!(
         with.apply_chat_template(&msgs, true, None, None).unwrap(),
-        qwen3().apply_chat_template(&msgs, true, None, None).unwrap()
+        qwen3()
+            .apply_chat_template(&msgs, true, None, None)
+            .unwrap()
     );
 }
