@@ -223,6 +223,14 @@ fn smollm2_gguf_prompts_tokenised_in_pieces_equal_whole_prompts() {
     pieces_equal_whole(&tok, "smollm2");
 }
 
+#[test]
+fn llama3_prompts_tokenised_in_pieces_equal_whole_prompts() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/llama3");
+    let tok = TextTokenizer::from_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-models.sh)", dir.display()));
+    pieces_equal_whole(&tok, "llama3");
+}
+
 /// Newer Hugging Face folders (transformers 5) keep the chat template in `chat_template.jinja`
 /// rather than in `tokenizer_config.json`: the folder loads with its template either way.
 #[test]
