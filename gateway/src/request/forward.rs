@@ -28,9 +28,10 @@ use crate::http::session::{client_gone, is_http10, respond_error};
 use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;
 use crate::prefix::view::{uncached_tokens, PrefixView};
+use crate::request::json_check::is_json_object;
 use crate::request::prepared::Prepared;
 use crate::request::relay::{Head, Relay, RelayCtx};
-use crate::request::sse::{is_json_object, HitPolicy, SseTap, MAX_EVENT_BYTES};
+use crate::request::sse::{HitPolicy, SseTap, MAX_EVENT_BYTES};
 use crate::routes::admitted::Admitted;
 use crate::routes::store::{ActivePolicy, ActiveRoute};
 

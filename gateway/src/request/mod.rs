@@ -20,6 +20,7 @@ pub mod admit;
 pub mod classify;
 pub mod explain;
 pub mod forward;
+pub mod json_check;
 pub mod place;
 pub mod prepare;
 pub mod prepared;

@@ -14,6 +14,8 @@ use protocol::sse::{parse_event, SseEvent};
 use protocol::ApiError;
 use serde_json::Value;
 
+use super::json_check::EventChecker;
+
 /// What clients are told about cache hits.
 #[derive(Debug, Clone, Copy)]
 pub struct HitPolicy {
@@ -74,6 +76,8 @@ pub struct SseTap {
     pub bad_event: bool,
     /// An event grew past [`MAX_EVENT_BYTES`] without ending.
     pub oversized: bool,
+    /// Checks each event is a JSON object, cheaply for token events (see its docs).
+    checker: EventChecker,
     /// Events carrying generated text (a chat delta's `content`, a completion's `text`): the
     /// output token count when the stream has no usage event.
     pub choice_events: u64,
@@ -194,9 +198,7 @@ impl SseTap {
         }
         // Every event must be a JSON object (checked without building it): a replica that
         // sends anything else is broken, and the client's SDK would fail on it anyway.
-        if !payload.starts_with(b"{")
-            || serde_json::from_slice::<serde::de::IgnoredAny>(payload).is_err()
-        {
+        if !self.checker.check(payload) {
             self.bad_event = true;
             return None;
         }
@@ -279,12 +281,6 @@ pub async fn drain_ready(
         n += 1;
     }
     (joined.map(bytes::BytesMut::freeze).or(next), n, None)
-}
-
-/// Whether an unstreamed answer is a JSON object (checked without building it).
-pub fn is_json_object(body: &[u8]) -> bool {
-    body.trim_ascii_start().starts_with(b"{")
-        && serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
 }
 
 /// What an unstreamed answer says about its usage (every other field is skipped).
@@ -416,9 +412,5 @@ mod tests {
         let mut tap = SseTap::default();
         tap.feed(&Bytes::from("data: {\"choices\": [{\"delta\": {\"content\": \"tok \"}}]}\n\ndata: {\"choices\": [{\"delta\": {\"content\": \"\"}}]}\n\n"), &h);
         assert_eq!(tap.choice_events, 1, "spaced JSON counts its tokens too");
-        assert!(is_json_object(b" {\"id\": 1}"));
-        assert!(!is_json_object(b"<!doctype html><p>hi"));
-        assert!(!is_json_object(b"[1, 2]"));
-        assert!(!is_json_object(b"{\"id\": "));
     }
 }
