@@ -4,7 +4,12 @@
 ratio, and per seed the ratio of each target's goodput, p95 and p99 TTFT to the base target's
 in the same seed and rate (the first target, or --base NAME). Where the reports carry the
 oracle's TTFT floor (sim fleets), a `floor` row gives it with the same ratios: the lowest any
-router could reach on that traffic.
+router could reach on that traffic. Where a kvgate gateway wrote a full access log
+(logs/access-NAME.jsonl; sweep.sh turns it on), a second table says where its tail comes from
+and how well it predicted: time queued in the gateway at p99 and as a share of the TTFT p99,
+the share of the slowest 5% of requests' TTFT spent queued in the gateway, and the error of
+placement's predicted TTFT against the measured one from sending to the first token
+(|predicted - measured| / measured, p50 and p90 over requests after the warm-up).
 
     python3 loadtest/summarize.py DIR [--base NAME]
 """
@@ -106,6 +111,82 @@ def main(folder: Path, base_name: str | None = None) -> None:
                 f"{fmt([x['ttft_s']['p99'] for x in fs], digits=0, scale=1e3)} | "
                 f"{ratio(rate, FLOOR, pct('p95'))} | {ratio(rate, FLOOR, pct('p99'))} | - |"
             )
+    tail_table(folder, float(meta.get("warmup_s") or 0.0))
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def access_stats(path: Path, warmup_s: float):
+    """Tail source and prediction error from one gateway's access log, warm-up left out."""
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("ttft_ms") is not None and r.get("status") == 200:
+            recs.append(r)
+    if not recs:
+        return None
+    start = min(r["ts"] for r in recs)
+    recs = [r for r in recs if r["ts"] >= start + warmup_s]
+    if not recs:
+        return None
+    ttft = [r["ttft_ms"] for r in recs]
+    queue = [r.get("queue_ms") or 0.0 for r in recs]
+    p95 = quantile(ttft, 0.95)
+    slow = [r for r in recs if r["ttft_ms"] >= p95]
+    slow_share = sum(r.get("queue_ms") or 0.0 for r in slow) / max(1e-9, sum(r["ttft_ms"] for r in slow))
+    # Placement predicts the replica's part: from sending to the first token, so the time the
+    # request spent queued in the gateway is taken off the measured TTFT before comparing.
+    errs = []
+    for r in recs:
+        replica_ms = r["ttft_ms"] - (r.get("queue_ms") or 0.0)
+        if r.get("predicted_ttft_ms") is not None and replica_ms > 0:
+            errs.append(abs(r["predicted_ttft_ms"] - replica_ms) / replica_ms)
+    return {
+        "queue_p99": quantile(queue, 0.99),
+        "queue_share_p99": quantile(queue, 0.99) / max(1e-9, quantile(ttft, 0.99)),
+        "slow_share": slow_share,
+        "err_p50": quantile(errs, 0.5),
+        "err_p90": quantile(errs, 0.9),
+        "predicted": len(errs) / len(recs),
+    }
+
+
+def tail_table(folder: Path, warmup_s: float) -> None:
+    cells = defaultdict(list)  # (rate, target) -> [stats]
+    for log in sorted(folder.glob("seed-*-rate-*/logs/access-*.jsonl")):
+        rate = float(log.parent.parent.name.split("-rate-")[1])
+        target = log.stem[len("access-"):]
+        st = access_stats(log, warmup_s)
+        if st:
+            cells[(rate, target)].append(st)
+    if not cells:
+        return
+    print()
+    print("Where kvgate's tail comes from, and its TTFT prediction error (access logs, after warm-up):")
+    print()
+    print(
+        "| rate/s | target | gateway queue p99 ms | ÷ TTFT p99 | queued share of the slowest 5% | "
+        "prediction error p50 | prediction error p90 | requests predicted |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for (rate, t), sts in sorted(cells.items()):
+        col = lambda k: [x[k] for x in sts if x[k] is not None]  # noqa: E731
+        print(
+            f"| {rate:g} | {t} | {fmt(col('queue_p99'), digits=0)} | "
+            f"{fmt(col('queue_share_p99'), unit='%', digits=1, scale=100)} | "
+            f"{fmt(col('slow_share'), unit='%', digits=1, scale=100)} | "
+            f"{fmt(col('err_p50'), unit='%', digits=0, scale=100) if col('err_p50') else '-'} | "
+            f"{fmt(col('err_p90'), unit='%', digits=0, scale=100) if col('err_p90') else '-'} | "
+            f"{fmt(col('predicted'), unit='%', digits=0, scale=100)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 # rate and target.
 #   loadtest/sweep.sh --out DIR --rates 4.5,9,13.5,18 --seeds 1,2,3 [--base TARGET] [compare.sh / bench args]
 # --base: the target the summary's per-seed ratios divide by (default: the first).
-# Env as for compare.sh (KVGATE_POLICY_FILES, KVGATE_REPLICAS, KVGATE_REPLICA_ARGS, ...).
+# Env as for compare.sh (KVGATE_POLICY_FILES, KVGATE_REPLICAS, KVGATE_REPLICA_ARGS, ...), except
+# that kvgate gateways write full access logs unless KVGATE_ACCESS_LOG=0: the summary reads them
+# for where the tail comes from and how well TTFT was predicted.
 # Writes DIR/seed-S-rate-R/ (one compare run each) and DIR/summary.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,13 +23,14 @@ while [ $# -gt 0 ]; do
     --rates) rates=${2:?}; shift ;;
     --seeds) seeds=${2:?}; shift ;;
     --base) base=(--base "${2:?}"); shift ;;
-    -h | --help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) extra+=("$1") ;;
   esac
   shift
 done
 [ -n "$out" ] && [ -n "$rates" ] || { echo "sweep.sh: --out and --rates are required" >&2; exit 2; }
 mkdir -p "$out"
+export KVGATE_ACCESS_LOG=${KVGATE_ACCESS_LOG:-1}
 IFS=, read -r -a rate_list <<<"$rates"
 IFS=, read -r -a seed_list <<<"$seeds"
 for seed in "${seed_list[@]}"; do
