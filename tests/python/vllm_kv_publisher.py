@@ -9,12 +9,14 @@ a ROUTER socket answers a replay request `(identity, b"", start seq)` with every
 `--layout array` encodes with `array_like=True` instead (SGLang and older vLLM).
 
 Usage: vllm_kv_publisher.py --pub tcp://127.0.0.1:P --replay tcp://127.0.0.1:R \
-           --stream FILE [--layout map|array] [--drop-batch K ...] [--start-seq N]
+           --stream FILE [--layout map|array] [--drop-batch K ...] [--start-seq N] [--no-hello]
 It publishes an empty "hello" batch every 50 ms until a line `go` arrives on stdin (so a
 subscriber can show it is connected), then the stream's batches, printing `sent N` when done,
 and keeps serving replays until stdin closes. The stream's K-th batch (from 0) given to
 `--drop-batch` is kept in the replay buffer but never sent on PUB: a gap the subscriber must
-fill.
+fill. `--no-hello` publishes the stream as soon as the sockets are bound, as an engine that
+restarts and serves a request at once does: a subscriber that is not connected yet misses it
+on PUB and must catch up from the replay socket.
 """
 
 import argparse
@@ -91,6 +93,7 @@ def main():
     ap.add_argument("--drop-batch", type=int, action="append", default=[])
     ap.add_argument("--start-seq", type=int, default=0)
     ap.add_argument("--topic", default="kv-events")
+    ap.add_argument("--no-hello", action="store_true")
     a = ap.parse_args()
 
     KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = structs(a.layout == "array")
@@ -133,6 +136,8 @@ def main():
     threading.Thread(target=serve_replays, daemon=True).start()
 
     go = threading.Event()
+    if a.no_hello:
+        go.set()
 
     def read_stdin():
         for line in sys.stdin:

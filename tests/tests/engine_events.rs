@@ -234,6 +234,24 @@ async fn the_index_follows_vllm_events_over_zmq_through_gaps_layouts_and_restart
         assert_probes(&gw, &probes, |_| (0, 0)).await;
         restarted.go();
         assert_eq!(replicas(&gw).await[0]["kv_events_error"], Value::Null);
+        // It restarts again and publishes at once, before the gateway's socket is back (a real
+        // engine serving its first request): those batches never reach the gateway live, and
+        // no later batch shows a gap, so the reconnect itself must catch up from the replay.
+        drop(restarted);
+        let eager = Publisher::start(
+            &pub_ep,
+            &replay_ep,
+            &stream_file(),
+            &["--layout", layout, "--no-hello"],
+        );
+        eager.expect_line("sent");
+        assert_probes(&gw, &probes, |p| {
+            (
+                p["expected_blocks"].as_u64().unwrap(),
+                p["expected_offloaded"].as_u64().unwrap(),
+            )
+        })
+        .await;
     }
 }
 

@@ -61,8 +61,13 @@ impl Registry {
                         tracing::info!(replica = %rep.name, reason = ?outcome, "ZMQ KV event stream lost; resyncing");
                     }
                     // A stream that cannot even be followed (a wrong endpoint) is named, not
-                    // left to look like an idle engine.
-                    if let Err(e) = &outcome {
+                    // left to look like an idle engine. A closed connection is not an error:
+                    // the engine restarted or the network blinked, and reconnecting says which.
+                    if let Some(e) = outcome
+                        .as_ref()
+                        .err()
+                        .filter(|e| !matches!(e, zmq::ZmqError::Disconnected))
+                    {
                         EventSink::set_error(
                             &*rep,
                             Some(format!("cannot follow {}: {e}", source.events)),

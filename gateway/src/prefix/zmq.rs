@@ -9,12 +9,17 @@
 //!   none, or the replay cannot fill it, what the index holds for the replica is dropped and
 //!   rebuilt from the events that follow (a stale index would route to blocks long evicted).
 //! - A sequence that goes back (the engine restarted) is the same: start over.
+//! - A lost connection is the same too: the socket would reconnect by itself, but batches the
+//!   engine published while nobody listened would be lost unseen (an engine that restarts and
+//!   serves one request leaves no later batch to show the gap). So a disconnect ends `follow`,
+//!   and the caller connects afresh, which catches up from the replay socket.
 //! - A block size the gateway does not hash with is a configuration error: named in the log and
 //!   on `/admin/replicas`, and nothing is indexed for the replica until it is fixed.
 
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use protocol::kv_events::KvEventBatch;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -23,6 +28,10 @@ use crate::prefix::index::PrefixIndex;
 
 /// How long a replay may take before the gap is given up on.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long connecting to the event socket may take. The socket's own retries back off to 30 s
+/// between attempts, so an engine that comes back would be seen late; the caller retries
+/// every half second instead.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What the follower reports back to the replica's record.
 pub trait EventSink: Send + Sync {
@@ -47,6 +56,8 @@ pub enum ZmqError {
     Socket(#[from] zeromq::ZmqError),
     #[error("connect timed out")]
     ConnectTimeout,
+    #[error("the engine closed the event connection")]
+    Disconnected,
     #[error("replay stopped at {next} of {until}")]
     ReplayStalled { next: u64, until: u64 },
     #[error("the replay starts at {seq}, {next} was asked for")]
@@ -83,8 +94,10 @@ pub async fn follow(
     sink: &dyn EventSink,
 ) -> Result<(), ZmqError> {
     let mut sub = zeromq::SubSocket::new();
-    sub.connect(&source.events)
+    let mut monitor = sub.monitor();
+    tokio::time::timeout(CONNECT_TIMEOUT, sub.connect(&source.events))
         .await
+        .map_err(|_| ZmqError::ConnectTimeout)?
         .map_err(|source_err| ZmqError::Connect {
             endpoint: source.events.clone(),
             source: source_err,
@@ -125,7 +138,15 @@ pub async fn follow(
         }
     }
     loop {
-        let msg = sub.recv().await?;
+        let msg = tokio::select! {
+            msg = sub.recv() => msg?,
+            event = monitor.next() => match event {
+                Some(zeromq::SocketEvent::Disconnected(_)) | None => {
+                    return Err(ZmqError::Disconnected)
+                }
+                Some(_) => continue,
+            },
+        };
         let Some((seq, payload)) = parts(&msg) else {
             tracing::warn!(endpoint = %source.events, frames = msg.len(), "KV event message of an unknown shape; ignored");
             continue;
