@@ -3,9 +3,11 @@
 # llm-d publishes its routing results with), its `shared_prefix` workload in the shape of
 # llm-d's "b2b-saas" benchmark scaled to N sim replicas — 15 system prompts of 3,000 tokens, 5
 # users each with 600-token questions, 100 output tokens, streaming /v1/completions, Poisson
-# arrivals. For each seed: for each router (restarted fresh), for each rate: replicas flushed,
-# one inference-perf stage. Per run: the client's TTFT (p50/p95/p99), the router's CPU per
-# request (utime + stime from /proc), and for kvgate its tokenise time and tokeniser refusals.
+# arrivals. For each seed, router and rate: replicas flushed, the router started fresh (nothing
+# learnt in one run carries into the next), one inference-perf stage. Per run: the client's TTFT
+# (p50/p95/p99), the router's CPU per request (utime + stime from /proc), and for kvgate its
+# tokenise time, tokeniser refusals and, from its access log (RUN/access.jsonl), the time
+# requests waited in the gateway: p99, and its share of the slowest 5% of requests' TTFT.
 #   loadtest/inference_perf.sh [--out DIR]
 # Env: KVGATE_BIN (target/release/kvgate), IP_RATES (4,10,16), IP_SEEDS (1,2,3), IP_DURATION
 #   (60 s), IP_REPLICAS (8), IP_GROUPS (15), IP_USERS (5; 15 x 5 = 75 prompts do not divide
@@ -72,7 +74,7 @@ for u in "${urls[@]}"; do until curl -sf "$u/health" >/dev/null; do sleep 0.2; d
 flush() { for u in "${urls[@]}"; do curl -sf -X POST -H "authorization: Bearer $KVGATE_FLEET_TOKEN" "$u/flush_cache" >/dev/null; done; }
 
 # start_router NAME: sets RPID, RURL, RADMIN (kvgate's admin, empty for sglang).
-start_router() {
+start_router() { # NAME RUN_DIR
   local port admin list=
   port=$(free_port)
   RADMIN=
@@ -87,6 +89,9 @@ replicas = [${list%, }]
 tokenizer_dir = "$tokenizer"
 [policy]
 kind = "prefix_aware"
+[access_log]
+mode = "full"
+path = "$2/access.jsonl"
 TOML
     "$bin" gateway --config "$out/gateway.toml" >>"$logs/kvgate.log" 2>&1 &
     RPID=$!
@@ -109,11 +114,11 @@ IFS=, read -r -a rate_list <<<"$rates"
 IFS=, read -r -a seed_list <<<"$seeds"
 for seed in "${seed_list[@]}"; do
   for router in kvgate sglang; do
-    start_router "$router"
     for rate in "${rate_list[@]}"; do
       flush
       run=$out/$router-seed$seed-rate$rate
       mkdir -p "$run"
+      start_router "$router" "$run"
       cat >"$run/config.yml" <<YAML
 load:
   type: poisson
@@ -159,11 +164,27 @@ YAML
         tokn=$(metric "$RADMIN" kvgate_gateway_tokenize_seconds_count)
         busy=$(metric "$RADMIN" kvgate_gateway_tokenizer_refused_total)
       fi
+      kill "$RPID" 2>/dev/null || true
+      wait "$RPID" 2>/dev/null || true
       python3 - "$run/summary_lifecycle_metrics.json" "$router" "$seed" "$rate" "$((c1 - c0))" \
-        "$tok0" "$tok" "$tokn0" "$tokn" "$busy0" "$busy" >>"$out/runs.jsonl" <<'PY'
-import json, sys
-path, router, seed, rate, ticks, tok0, tok, n0, n, b0, b = sys.argv[1:]
+        "$tok0" "$tok" "$tokn0" "$tokn" "$busy0" "$busy" "$run/access.jsonl" >>"$out/runs.jsonl" <<'PY'
+import json, os, sys
+path, router, seed, rate, ticks, tok0, tok, n0, n, b0, b, access = sys.argv[1:]
 s = json.load(open(path))
+# Where kvgate's tail comes from: time waiting in the gateway (queue_ms, holds included).
+gw = {}
+if os.path.exists(access):
+    recs = [json.loads(l) for l in open(access) if l.strip()]
+    recs = [r for r in recs if r.get("ttft_ms") is not None and r.get("status") == 200]
+    if recs:
+        q = sorted(r.get("queue_ms") or 0.0 for r in recs)
+        t = sorted(r["ttft_ms"] for r in recs)
+        p95 = t[min(len(t) - 1, int(0.95 * len(t)))]
+        slow = [r for r in recs if r["ttft_ms"] >= p95]
+        gw = {
+            "gw_queue_p99_ms": q[min(len(q) - 1, int(0.99 * len(q)))],
+            "slow5_queued_share": sum(r.get("queue_ms") or 0.0 for r in slow) / max(1e-9, sum(r["ttft_ms"] for r in slow)),
+        }
 ok = s.get("successes", {})
 ttft = ok.get("latency", {}).get("time_to_first_token", {})
 count = ok.get("count", 0)
@@ -175,12 +196,11 @@ print(json.dumps({
     "cpu_ms_per_request": int(ticks) * 10 / max(1, count),
     "tokenize_ms_mean": (float(tok) - float(tok0)) * 1e3 / reqs if reqs > 0 else None,
     "tokenizer_refused": float(b) - float(b0),
+    **gw,
 }))
 PY
       tail -1 "$out/runs.jsonl"
     done
-    kill "$RPID" 2>/dev/null || true
-    wait "$RPID" 2>/dev/null || true
   done
 done
 
@@ -202,6 +222,10 @@ for rate in rates:
 tok = [r["tokenize_ms_mean"] for r in runs if r["router"] == "kvgate" and r["tokenize_ms_mean"] is not None]
 busy = sum(r["tokenizer_refused"] for r in runs if r["router"] == "kvgate")
 fails = {rt: sum(r["failed"] for r in runs if r["router"] == rt) for rt in ("kvgate", "sglang")}
+q = [r["gw_queue_p99_ms"] for r in runs if r.get("gw_queue_p99_ms") is not None]
+sh = [r["slow5_queued_share"] for r in runs if r.get("slow5_queued_share") is not None]
+if q:
+    print(f"\nkvgate's gateway queue (access log): p99 {med(q)} ms over runs; queued share of the slowest 5% of requests' TTFT {med([100 * x for x in sh])}%")
 print(f"\nkvgate tokenise time per request: mean over runs {statistics.mean(tok):.2f} ms (range {min(tok):.2f}–{max(tok):.2f}); tokenizer_busy refusals: {busy:g}; failed requests: kvgate {fails['kvgate']}, sglang {fails['sglang']}")
 PY
 cat "$out/summary.md"

@@ -25,7 +25,7 @@ use crate::fleet::registry::Registry;
 use crate::fleet::replica::ReplicaHandle;
 use crate::metrics::GatewayMetrics;
 use crate::request::sse::{
-    drain_ready, error_event, AnswerUsage, HitPolicy, SseTap, MAX_EVENT_BYTES,
+    drain_ready, error_event, write_gaps, AnswerUsage, HitPolicy, SseTap, MAX_EVENT_BYTES,
 };
 use crate::routes::admitted::Admitted;
 use crate::routes::goodput::Served;
@@ -329,7 +329,8 @@ impl Relay<'_> {
         tokio::pin!(idle_timer);
         let mut next = Some(first);
         // Chunks the replica had already sent when one is relayed go out with it, in one
-        // write; each still counts as an inter-token gap (of zero) for the timers.
+        // write; each counts as a gap of zero for the client's timers, and as an even share of
+        // the write's gap for the replica's learnt decode step (`write_gaps`).
         let mut coalesced = 0usize;
         // A frame other than data met while coalescing, handled on the next turn.
         let mut stashed = None;
@@ -360,12 +361,10 @@ impl Relay<'_> {
                     Some(prev) => {
                         let batch = ctx.replica.load().requests().max(1);
                         let mut model = ctx.replica.model.lock();
-                        let gaps = std::iter::once(now - prev)
-                            .chain(std::iter::repeat_n(Duration::ZERO, coalesced));
-                        for gap in gaps {
-                            outcome.gaps.push(gap);
-                            stats.inter_token_seconds.record(gap.as_secs_f64());
-                            model.observe_itl(batch, gap);
+                        for (seen, step) in write_gaps(now - prev, coalesced) {
+                            outcome.gaps.push(seen);
+                            stats.inter_token_seconds.record(seen.as_secs_f64());
+                            model.observe_itl(batch, step);
                         }
                     }
                 }

@@ -7,6 +7,8 @@
 //! already sent into one client write; [`AnswerUsage`] is what an unstreamed answer's usage is
 //! read as.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use config::HitSignals;
 use http_body_util::BodyExt;
@@ -229,6 +231,17 @@ impl SseTap {
 /// Most chunks joined into one write.
 const MAX_COALESCED: usize = 64;
 
+/// What one relayed write stands for, chunk by chunk: the gap the client saw before it (the
+/// first chunk `gap` after the previous write, the `coalesced` ones joined to it at once) and
+/// the replica's decode step it is evidence of. The replica made the joined chunks one step
+/// after another within `gap`, so each stands for an even share of it: learning the zero gaps
+/// the client saw would teach a decode step far below the real one (the median of mostly
+/// zeros), and every prediction built on it.
+pub fn write_gaps(gap: Duration, coalesced: usize) -> impl Iterator<Item = (Duration, Duration)> {
+    let step = gap / (coalesced as u32 + 1);
+    (0..=coalesced).map(move |i| (if i == 0 { gap } else { Duration::ZERO }, step))
+}
+
 /// Appends to `first` the events of chunks the replica has already sent: the upstream
 /// connection task decodes one chunk at a time, so each turn yields to let it decode the next
 /// from what it has read, and stops at the first that is not there yet. A replica faster than
@@ -412,5 +425,25 @@ mod tests {
         let mut tap = SseTap::default();
         tap.feed(&Bytes::from("data: {\"choices\": [{\"delta\": {\"content\": \"tok \"}}]}\n\ndata: {\"choices\": [{\"delta\": {\"content\": \"\"}}]}\n\n"), &h);
         assert_eq!(tap.choice_events, 1, "spaced JSON counts its tokens too");
+    }
+
+    #[test]
+    fn a_joined_write_teaches_the_replicas_real_step_not_zero() {
+        // Four chunks arrive together 20 ms after the last write: the client saw 20 ms then
+        // three zeros; the replica stepped every 5 ms.
+        let gaps: Vec<_> = write_gaps(Duration::from_millis(20), 3).collect();
+        let seen: Vec<_> = gaps.iter().map(|g| g.0.as_millis()).collect();
+        assert_eq!(seen, [20, 0, 0, 0]);
+        assert!(gaps.iter().all(|g| g.1 == Duration::from_millis(5)));
+        let mut model = crate::fleet::latency_model::LatencyModel::default();
+        for _ in 0..5 {
+            for (_, step) in write_gaps(Duration::from_millis(20), 3) {
+                model.observe_itl(1, step);
+            }
+        }
+        let learnt = model.predict_itl(1).unwrap().as_secs_f64() * 1e3;
+        assert!((4.5..5.5).contains(&learnt), "learnt {learnt} ms, not 5");
+        let one: Vec<_> = write_gaps(Duration::from_millis(7), 0).collect();
+        assert_eq!(one, [(Duration::from_millis(7), Duration::from_millis(7))]);
     }
 }
