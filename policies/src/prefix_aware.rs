@@ -4,8 +4,8 @@
 //! **`cost = "ttft"` (the default)**: for every healthy replica, predict this request's time to
 //! first token from what the gateway knows of it ([`SpeedView`]): the fixed overhead, plus the
 //! prefill already queued there and this request's uncached tokens (from the prefix index's
-//! longest run of matching blocks on that replica) at the learnt seconds per token, plus the
-//! decode part of every step that prefill takes while the replica has streams running. Add the
+//! longest run of matching blocks on that replica) at the learnt seconds per token (the fit
+//! learns from whole measured TTFTs, so the running streams' share of each step is in it). Add the
 //! stall this request's own prefill imposes on the streams already running there
 //! (`stall_weight` × own prefill seconds × running streams). The fixed overhead is compared as
 //! the fleet's smallest (each replica's own stays in its predicted TTFT): replicas differ in
@@ -107,7 +107,7 @@ impl PrefixAware {
         };
         let (cost, estimate) = match self.cfg.cost {
             CostModel::Ttft => {
-                let e = r.speed.estimate(uncached, load);
+                let e = r.speed.estimate(uncached);
                 let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
                 let work = e.ttft_s - r.speed.overhead_s;
                 (shared_overhead + work + stall, Some(e))

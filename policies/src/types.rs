@@ -59,7 +59,10 @@ impl Default for SpeedView {
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct TtftEstimate {
     /// Predicted time to first token: overhead + (queued + own uncached tokens) × seconds per
-    /// token + the decode part of every step that prefill takes.
+    /// token. The decode work the replica's running streams add to each prefill step is in the
+    /// learnt slope already: the fit learns from whole measured TTFTs, streams and all. Adding
+    /// a decode step per prefill step on top counted it twice (mostly-cached requests were
+    /// predicted ~1.6× their measured TTFT, BENCHMARKS issue 35).
     pub ttft_s: f64,
     /// This request's own prefill time (uncached tokens only): how long it stalls each
     /// running stream there.
@@ -67,17 +70,11 @@ pub struct TtftEstimate {
 }
 
 impl SpeedView {
-    /// Predicts a request with `uncached` prompt tokens here, `running` sequences decoding.
-    pub fn estimate(&self, uncached: u64, running: u32) -> TtftEstimate {
+    /// Predicts a request with `uncached` prompt tokens here.
+    pub fn estimate(&self, uncached: u64) -> TtftEstimate {
         let work = self.queued_prefill_tokens + uncached;
-        let steps = work.div_ceil(self.chunk_tokens.max(1));
-        let interference = if running > 0 {
-            steps as f64 * self.decode_step_s.unwrap_or(0.0)
-        } else {
-            0.0
-        };
         TtftEstimate {
-            ttft_s: self.overhead_s + work as f64 * self.seconds_per_token + interference,
+            ttft_s: self.overhead_s + work as f64 * self.seconds_per_token,
             own_prefill_s: uncached as f64 * self.seconds_per_token,
         }
     }
