@@ -54,10 +54,7 @@ fn the_holder_wins_while_its_queue_is_shorter_than_a_cold_prefill() {
     let e = d.scores[0].estimate.unwrap();
     // 20 ms + 1,040 tokens / 8k/s; the two running streams' decode work is in the learnt
     // rate, not added again.
-    assert!(
-        (e.ttft_s - (0.02 + 1040.0 / 8000.0)).abs() < 1e-9,
-        "{e:?}"
-    );
+    assert!((e.ttft_s - (0.02 + 1040.0 / 8000.0)).abs() < 1e-9, "{e:?}");
 }
 
 #[test]
