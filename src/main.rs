@@ -9,6 +9,7 @@ mod gateway_cmd;
 mod replica_cmd;
 mod signals;
 mod up;
+mod vllm_fleet;
 
 #[cfg(not(feature = "dhat-heap"))]
 #[global_allocator]

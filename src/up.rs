@@ -17,8 +17,9 @@ use crate::signals::shutdown_signal;
 #[derive(Args)]
 pub(crate) struct UpArgs {
     /// Replica backend: sim (4 simulated replicas), cpu (2 replicas of a real model, the
-    /// machine's cores split between them) or cuda (1 replica of a real model; with --replicas
-    /// N, N replicas on the first N GPUs, one each).
+    /// machine's cores split between them), cuda (1 replica of a real model; with --replicas
+    /// N, N replicas on the first N GPUs, one each) or vllm (2 real vLLM engines, CPU only,
+    /// from `scripts/vllm-cpu.sh install && scripts/vllm-cpu.sh model`; KV events over ZMQ).
     #[arg(long, default_value = "sim")]
     backend: String,
     /// Number of replicas (default: 4 for sim, 2 for cpu, 1 for cuda).
@@ -313,6 +314,9 @@ fn cuda_device(i: usize) -> String {
 }
 
 pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
+    if a.backend == "vllm" {
+        return run_up_vllm(a).await;
+    }
     let fleet = plan_fleet(&a)?;
     let tokenizer = fleet.tokenizer.clone();
     let policy = a
@@ -385,6 +389,68 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
             let _ = child.kill().await;
         }
     }
+    result
+}
+
+/// `kvgate up --backend vllm`: vLLM engines instead of kvgate replicas, followed by their KV
+/// events; the embedded policy with exact hit signals (vLLM reports exact cached tokens).
+async fn run_up_vllm(a: UpArgs) -> Result<()> {
+    if a.model.is_some() || a.tokenizer.is_some() || !a.replica_args.is_empty() {
+        bail!("--backend vllm serves the script's SmolLM2 folder: --model, --tokenizer and --replica-arg do not apply (KVGATE_VLLM_MODEL_DIR names another folder)");
+    }
+    let root = checkout_roots()
+        .into_iter()
+        .find(|r| r.join("scripts/vllm-cpu.sh").exists())
+        .ok_or_else(|| anyhow!("--backend vllm: run kvgate up from the checkout (scripts/vllm-cpu.sh starts the engines)"))?;
+    let model_dir = crate::vllm_fleet::check_installed(&root)?;
+    let n = a.replicas.unwrap_or(2);
+    if n == 0 || n > 16 {
+        bail!("--replicas must be between 1 and 16 for vllm");
+    }
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let engines = tokio::select! {
+        r = crate::vllm_fleet::start(&root, n) => r?,
+        _ = &mut shutdown => {
+            println!("interrupted while starting engines; stopping them");
+            return Ok(());
+        }
+    };
+    let (mut children, specs): (Vec<_>, Vec<_>) = engines.into_iter().unzip();
+    let mut cfg =
+        config::GatewayConfig::with_replicas(specs.iter().map(|s| s.addr.clone()).collect());
+    cfg.engines = specs;
+    cfg.listen = format!("127.0.0.1:{}", a.port);
+    cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
+    cfg.model.tokenizer_dir = Some(model_dir.display().to_string());
+    cfg.model.name = crate::vllm_fleet::SERVED_MODEL.into();
+    cfg.model.block_size = crate::vllm_fleet::BLOCK_SIZE;
+    let policy = a
+        .policy
+        .as_ref()
+        .map(|k| {
+            config::PolicyConfig::from_toml(&format!("kind = {k:?}"))
+                .with_context(|| format!("unknown policy `{k}`"))
+        })
+        .transpose()?;
+    match &a.policy_file {
+        Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
+        Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
+        None => {
+            // A CPU engine keeps CPU promises, and vLLM's cached_tokens are exact.
+            let mut file = config::PolicyFile::from_toml(config::routes::CPU_POLICY, &cfg.replicas)
+                .context("the embedded policy file is invalid")?;
+            file.hit_signals = config::HitSignals::Exact;
+            if let Some(p) = policy {
+                file.policy = p;
+            }
+            cfg.embedded_policy = Some(file);
+        }
+    }
+    cfg.validate()?;
+    let result = serve_gateway(cfg, shutdown, n).await;
+    println!("stopping {n} vLLM engines");
+    crate::vllm_fleet::stop(&mut children).await;
     result
 }
 
