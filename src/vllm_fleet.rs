@@ -82,6 +82,60 @@ async fn healthy(port: u16) -> bool {
         && (head.starts_with(b"HTTP/1.1 200") || head.starts_with(b"HTTP/1.0 200"))
 }
 
+/// One engine starting: its process, what the gateway follows, its HTTP port and its log.
+struct Starting {
+    child: tokio::process::Child,
+    spec: EngineSpec,
+    port: u16,
+    log: PathBuf,
+}
+
+/// Starts engine `i` on three ports free now, bound to core `core`.
+fn spawn_engine(root: &Path, i: usize, core: usize) -> Result<Starting> {
+    let (port, events, replay) = (free_port()?, free_port()?, free_port()?);
+    let log = std::env::temp_dir().join(format!("kvgate-up-vllm-{i}.log"));
+    let file =
+        std::fs::File::create(&log).with_context(|| format!("cannot write {}", log.display()))?;
+    let mut cmd = tokio::process::Command::new(root.join("scripts/vllm-cpu.sh"));
+    cmd.args([
+        "start",
+        &port.to_string(),
+        &events.to_string(),
+        &replay.to_string(),
+    ])
+    .arg(core.to_string())
+    .current_dir(root)
+    .stdin(std::process::Stdio::null())
+    .stdout(file.try_clone()?)
+    .stderr(file)
+    .kill_on_drop(true);
+    // Their own process group: Ctrl-C reaches only `kvgate up`, which drains the gateway first
+    // and then stops the engines.
+    #[cfg(unix)]
+    cmd.process_group(0);
+    let child = cmd.spawn().context("cannot start scripts/vllm-cpu.sh")?;
+    println!(
+        "vllm-{i}: starting at http://127.0.0.1:{port} (log {})",
+        log.display()
+    );
+    Ok(Starting {
+        child,
+        spec: EngineSpec {
+            addr: format!("127.0.0.1:{port}"),
+            backend: Backend::Vllm,
+            kv_events: Some(format!("tcp://127.0.0.1:{events}")),
+            kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
+        },
+        port,
+        log,
+    })
+}
+
+/// Starts for one engine, before giving up: a port found free can be taken before vLLM binds
+/// it (vLLM picks ports of its own for its internal queues while starting; seen once in three
+/// starts of two engines), and then the engine exits at once.
+const ATTEMPTS: usize = 3;
+
 /// Starts `n` engines (all at once; each bound to one core, round the machine's cores) and
 /// waits until every one answers `/health`; returns them with what the gateway needs to follow
 /// them. They are killed if this process drops them.
@@ -90,63 +144,36 @@ pub(crate) async fn start(
     n: usize,
 ) -> Result<Vec<(tokio::process::Child, EngineSpec)>> {
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let mut out = Vec::new();
+    let mut starting = Vec::new();
     for i in 0..n {
-        let (port, events, replay) = (free_port()?, free_port()?, free_port()?);
-        let log = std::env::temp_dir().join(format!("kvgate-up-vllm-{i}.log"));
-        let file = std::fs::File::create(&log)
-            .with_context(|| format!("cannot write {}", log.display()))?;
-        let mut cmd = tokio::process::Command::new(root.join("scripts/vllm-cpu.sh"));
-        cmd.args([
-            "start",
-            &port.to_string(),
-            &events.to_string(),
-            &replay.to_string(),
-        ])
-        .arg((i % cores).to_string())
-        .current_dir(root)
-        .stdin(std::process::Stdio::null())
-        .stdout(file.try_clone()?)
-        .stderr(file)
-        .kill_on_drop(true);
-        // Their own process group: Ctrl-C reaches only `kvgate up`, which drains the gateway
-        // first and then stops the engines.
-        #[cfg(unix)]
-        cmd.process_group(0);
-        let child = cmd.spawn().context("cannot start scripts/vllm-cpu.sh")?;
-        println!(
-            "vllm-{i}: starting at http://127.0.0.1:{port} (log {})",
-            log.display()
-        );
-        out.push((
-            child,
-            EngineSpec {
-                addr: format!("127.0.0.1:{port}"),
-                backend: Backend::Vllm,
-                kv_events: Some(format!("tcp://127.0.0.1:{events}")),
-                kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
-            },
-            port,
-            log,
-        ));
+        starting.push(spawn_engine(root, i, i % cores)?);
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     let mut ready = Vec::new();
-    for (i, (mut child, spec, port, log)) in out.into_iter().enumerate() {
-        while !healthy(port).await {
-            if let Some(status) = child.try_wait()? {
-                return Err(anyhow!(
-                    "vllm-{i} exited ({status}) before it was ready; see {}",
-                    log.display()
-                ));
+    for (i, mut e) in starting.into_iter().enumerate() {
+        let mut attempt = 1;
+        while !healthy(e.port).await {
+            if let Some(status) = e.child.try_wait()? {
+                if attempt == ATTEMPTS {
+                    return Err(anyhow!(
+                        "vllm-{i} exited ({status}) before it was ready, {ATTEMPTS} times; see {}",
+                        e.log.display()
+                    ));
+                }
+                println!("vllm-{i} exited ({status}) before it was ready; starting it again on other ports");
+                attempt += 1;
+                e = spawn_engine(root, i, i % cores)?;
             }
             if tokio::time::Instant::now() > deadline {
-                bail!("vllm-{i} was not ready within 600 s; see {}", log.display());
+                bail!(
+                    "vllm-{i} was not ready within 600 s; see {}",
+                    e.log.display()
+                );
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        println!("vllm-{i} ready at http://{}", spec.addr);
-        ready.push((child, spec));
+        println!("vllm-{i} ready at http://{}", e.spec.addr);
+        ready.push((e.child, e.spec));
     }
     Ok(ready)
 }
