@@ -169,22 +169,15 @@ YAML
       python3 - "$run/summary_lifecycle_metrics.json" "$router" "$seed" "$rate" "$((c1 - c0))" \
         "$tok0" "$tok" "$tokn0" "$tokn" "$busy0" "$busy" "$run/access.jsonl" >>"$out/runs.jsonl" <<'PY'
 import json, os, sys
+from pathlib import Path
 path, router, seed, rate, ticks, tok0, tok, n0, n, b0, b, access = sys.argv[1:]
 s = json.load(open(path))
-# Where kvgate's tail comes from: time waiting in the gateway (queue_ms, holds included).
-gw = {}
-if os.path.exists(access):
-    recs = [json.loads(l) for l in open(access) if l.strip()]
-    recs = [r for r in recs if r.get("ttft_ms") is not None and r.get("status") == 200]
-    if recs:
-        q = sorted(r.get("queue_ms") or 0.0 for r in recs)
-        t = sorted(r["ttft_ms"] for r in recs)
-        p95 = t[min(len(t) - 1, int(0.95 * len(t)))]
-        slow = [r for r in recs if r["ttft_ms"] >= p95]
-        gw = {
-            "gw_queue_p99_ms": q[min(len(q) - 1, int(0.99 * len(q)))],
-            "slow5_queued_share": sum(r.get("queue_ms") or 0.0 for r in slow) / max(1e-9, sum(r["ttft_ms"] for r in slow)),
-        }
+# Where kvgate's tail comes from: time waiting in the gateway (queue_ms, holds included),
+# read as the sweep summaries read it.
+sys.path.insert(0, os.path.join(os.getcwd(), "loadtest"))
+from summarize import access_stats
+st = access_stats(Path(access), 0.0) if os.path.exists(access) else None
+gw = {"gw_queue_p99_ms": st["queue_p99"], "slow5_queued_share": st["slow_share"]} if st else {}
 ok = s.get("successes", {})
 ttft = ok.get("latency", {}).get("time_to_first_token", {})
 count = ok.get("count", 0)

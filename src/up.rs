@@ -313,12 +313,10 @@ fn cuda_device(i: usize) -> String {
     }
 }
 
-pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
-    if a.backend == "vllm" {
-        return run_up_vllm(a).await;
-    }
-    let fleet = plan_fleet(&a)?;
-    let tokenizer = fleet.tokenizer.clone();
+/// Parses `--policy` and checks `--policy-file` before anything starts, so their error is what
+/// the operator sees rather than the last of the replicas' start-up lines. The replicas'
+/// addresses come later; pools name them by position here.
+fn check_policy_args(a: &UpArgs, replicas: usize) -> Result<Option<config::PolicyConfig>> {
     let policy = a
         .policy
         .as_ref()
@@ -327,18 +325,49 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
                 .with_context(|| format!("unknown policy `{k}`"))
         })
         .transpose()?;
-    // A policy file is checked before any replica starts, so its error is what the operator
-    // sees rather than the last of the replicas' start-up lines. The replicas' addresses come
-    // later; pools name them by position here.
     if let Some(path) = &a.policy_file {
+        if policy.is_some() {
+            bail!("--policy and --policy-file do not go together: set the kind in the file");
+        }
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--policy-file {}", path.display()))?;
-        let slots: Vec<String> = (0..fleet.replicas)
-            .map(|i| format!("replica {i}"))
-            .collect();
+        let slots: Vec<String> = (0..replicas).map(|i| format!("replica {i}")).collect();
         config::PolicyFile::from_toml(&text, &slots)
             .with_context(|| format!("--policy-file {} is invalid", path.display()))?;
     }
+    Ok(policy)
+}
+
+/// Sets `cfg`'s policy: the `--policy-file` (hot-reloaded), else `embedded` tuned by `adjust`,
+/// with `--policy`'s kind when given.
+fn apply_policy(
+    a: &UpArgs,
+    policy: Option<config::PolicyConfig>,
+    cfg: &mut config::GatewayConfig,
+    embedded: &str,
+    adjust: impl FnOnce(&mut config::PolicyFile),
+) -> Result<()> {
+    if let Some(path) = &a.policy_file {
+        cfg.policy_file = Some(path.display().to_string());
+        return Ok(());
+    }
+    let mut file = config::PolicyFile::from_toml(embedded, &cfg.replicas)
+        .context("the embedded policy file is invalid")?;
+    adjust(&mut file);
+    if let Some(p) = policy {
+        file.policy = p;
+    }
+    cfg.embedded_policy = Some(file);
+    Ok(())
+}
+
+pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
+    if a.backend == "vllm" {
+        return run_up_vllm(a).await;
+    }
+    let fleet = plan_fleet(&a)?;
+    let tokenizer = fleet.tokenizer.clone();
+    let policy = check_policy_args(&a, fleet.replicas)?;
     let fleet_token = random_token()?;
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
@@ -357,18 +386,7 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
     cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
     cfg.model.name = fleet.served_model_name.clone();
     cfg.auth.fleet_token = Some(fleet_token);
-    match &a.policy_file {
-        Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
-        Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
-        None => {
-            let mut file = config::PolicyFile::from_toml(fleet.embedded_policy, &cfg.replicas)
-                .context("the embedded policy file is invalid")?;
-            if let Some(p) = policy {
-                file.policy = p;
-            }
-            cfg.embedded_policy = Some(file);
-        }
-    }
+    apply_policy(&a, policy, &mut cfg, fleet.embedded_policy, |_| {})?;
     cfg.validate()?;
     let n = children.len();
     let result = serve_gateway(cfg, shutdown, n).await;
@@ -407,6 +425,7 @@ async fn run_up_vllm(a: UpArgs) -> Result<()> {
     if n == 0 || n > 16 {
         bail!("--replicas must be between 1 and 16 for vllm");
     }
+    let policy = check_policy_args(&a, n)?;
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let engines = tokio::select! {
@@ -425,28 +444,10 @@ async fn run_up_vllm(a: UpArgs) -> Result<()> {
     cfg.model.tokenizer_dir = Some(model_dir.display().to_string());
     cfg.model.name = crate::vllm_fleet::SERVED_MODEL.into();
     cfg.model.block_size = crate::vllm_fleet::BLOCK_SIZE;
-    let policy = a
-        .policy
-        .as_ref()
-        .map(|k| {
-            config::PolicyConfig::from_toml(&format!("kind = {k:?}"))
-                .with_context(|| format!("unknown policy `{k}`"))
-        })
-        .transpose()?;
-    match &a.policy_file {
-        Some(path) if policy.is_none() => cfg.policy_file = Some(path.display().to_string()),
-        Some(_) => bail!("--policy and --policy-file do not go together: set the kind in the file"),
-        None => {
-            // A CPU engine keeps CPU promises, and vLLM's cached_tokens are exact.
-            let mut file = config::PolicyFile::from_toml(config::routes::CPU_POLICY, &cfg.replicas)
-                .context("the embedded policy file is invalid")?;
-            file.hit_signals = config::HitSignals::Exact;
-            if let Some(p) = policy {
-                file.policy = p;
-            }
-            cfg.embedded_policy = Some(file);
-        }
-    }
+    // A CPU engine keeps CPU promises, and vLLM's cached_tokens are exact.
+    apply_policy(&a, policy, &mut cfg, config::routes::CPU_POLICY, |file| {
+        file.hit_signals = config::HitSignals::Exact;
+    })?;
     cfg.validate()?;
     let result = serve_gateway(cfg, shutdown, n).await;
     println!("stopping {n} vLLM engines");

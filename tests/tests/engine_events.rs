@@ -12,16 +12,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{start_gateway_at, start_replica, FakeMode, FakeReplica, Gateway};
+use common::{free_port, start_gateway_at, start_replica, FakeMode, FakeReplica, Gateway};
 use serde_json::{json, Value};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn stream_file() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/vllm_events.json")
@@ -107,15 +99,8 @@ async fn wait_live(gw: &Gateway) {
 
 /// The gateway's explain answer for `prompt` (token ids or text).
 async fn explain(gw: &Gateway, prompt: &Value) -> Value {
-    gw.client
-        .post(format!("{}/admin/route/explain", gw.admin))
-        .json(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1}))
-        .send()
+    gw.explain(&json!({"model": "Qwen3-8B", "prompt": prompt, "max_tokens": 1}))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
 }
 
 /// Every replica's matched blocks for `prompt`.

@@ -401,16 +401,7 @@ async fn the_admin_api_grows_the_fleet_past_64_and_replicas_keep_their_own_ids()
     let second = gw.post("/v1/completions", body.clone()).await;
     assert_eq!(second.headers()["x-kvgate-route-reason"], "prefix_match");
     // Explain and the metrics use the same identity: the id, with the address beside it.
-    let e: serde_json::Value = gw
-        .client
-        .post(format!("{}/admin/route/explain", gw.admin))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let e = gw.explain(&body).await;
     assert_eq!(e["replicas"][71]["replica"], "beta", "{e}");
     assert_eq!(e["replicas"][71]["address"], b.host_port());
     assert!(

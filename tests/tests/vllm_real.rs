@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::start_gateway_at;
+use common::{free_port, start_gateway_at};
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -32,14 +32,6 @@ fn venv() -> PathBuf {
         .unwrap_or_else(|_| {
             PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/kvgate/vllm-venv")
         })
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// One engine: its API port, its ZMQ event and replay ports, its process.
@@ -144,16 +136,7 @@ fn body(system: &str, user: &str, stream: bool, max_tokens: u32) -> Value {
 
 /// The blocks of `b`'s prompt each replica holds, per explain.
 async fn matched(gw: &common::Gateway, b: &Value) -> Vec<u64> {
-    let r: Value = gw
-        .client
-        .post(format!("{}/admin/route/explain", gw.admin))
-        .json(b)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r = gw.explain(b).await;
     r["replicas"]
         .as_array()
         .unwrap()

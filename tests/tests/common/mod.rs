@@ -60,6 +60,15 @@ pub fn kvgate_binary() -> PathBuf {
     bin
 }
 
+/// A TCP port nothing listens on now (for processes that take a port, not port 0).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// Starts `kvgate up ARGS` (free ports) from the checkout's root and waits for its ready line;
 /// returns the process (killed on drop) and the gateway's URL.
 pub async fn start_kvgate_up(
@@ -300,6 +309,19 @@ impl Gateway {
 
     pub async fn admin_json(&self, path: &str) -> Value {
         get_json(&self.client, format!("{}{path}", self.admin)).await
+    }
+
+    /// The admin API's dry run for `body` (`POST /admin/route/explain`).
+    pub async fn explain(&self, body: &Value) -> Value {
+        post_json(
+            &self.client,
+            format!("{}/admin/route/explain", self.admin),
+            body.clone(),
+        )
+        .await
+        .json()
+        .await
+        .unwrap()
     }
 
     pub async fn metric(&self, name: &str) -> f64 {
