@@ -202,18 +202,27 @@ impl Scanner<'_, '_> {
             if !self.value(depth) {
                 return false;
             }
-            self.ws();
-            match self.peek() {
-                Some(b',') => {
-                    self.i += 1;
-                    self.ws();
-                }
-                Some(b'}') => {
-                    self.i += 1;
-                    return true;
-                }
-                _ => return false,
+            if let Some(done) = self.after_item(b'}') {
+                return done;
             }
+        }
+    }
+
+    /// After an object member or array element: `,` goes on to the next (`None`), `close`
+    /// ends the container (`Some(true)`), anything else is not JSON (`Some(false)`).
+    fn after_item(&mut self, close: u8) -> Option<bool> {
+        self.ws();
+        match self.peek() {
+            Some(b',') => {
+                self.i += 1;
+                self.ws();
+                None
+            }
+            Some(c) if c == close => {
+                self.i += 1;
+                Some(true)
+            }
+            _ => Some(false),
         }
     }
 
@@ -231,17 +240,8 @@ impl Scanner<'_, '_> {
             if !self.value(depth) {
                 return false;
             }
-            self.ws();
-            match self.peek() {
-                Some(b',') => {
-                    self.i += 1;
-                    self.ws();
-                }
-                Some(b']') => {
-                    self.i += 1;
-                    return true;
-                }
-                _ => return false,
+            if let Some(done) = self.after_item(b']') {
+                return done;
             }
         }
     }
