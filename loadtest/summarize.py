@@ -137,24 +137,36 @@ def access_stats(path: Path, warmup_s: float):
     recs = [r for r in recs if r["ts"] >= start + warmup_s]
     if not recs:
         return None
-    ttft = [r["ttft_ms"] for r in recs]
-    queue = [r.get("queue_ms") or 0.0 for r in recs]
+    # The tail is the streamed requests' (an unstreamed record's ttft_ms is an estimate).
+    streamed = [r for r in recs if r.get("stream") is not False] or recs
+    ttft = [r["ttft_ms"] for r in streamed]
+    queue = [r.get("queue_ms") or 0.0 for r in streamed]
     p95 = quantile(ttft, 0.95)
-    slow = [r for r in recs if r["ttft_ms"] >= p95]
+    slow = [r for r in streamed if r["ttft_ms"] >= p95]
     slow_share = sum(r.get("queue_ms") or 0.0 for r in slow) / max(1e-9, sum(r["ttft_ms"] for r in slow))
+
     # Placement predicts the replica's part: from sending to the first token, so the time the
-    # request spent queued in the gateway is taken off the measured TTFT before comparing.
-    errs = []
-    for r in recs:
-        replica_ms = r["ttft_ms"] - (r.get("queue_ms") or 0.0)
-        if r.get("predicted_ttft_ms") is not None and replica_ms > 0:
-            errs.append(abs(r["predicted_ttft_ms"] - replica_ms) / replica_ms)
+    # request spent queued in the gateway is taken off the measured TTFT before comparing. For
+    # an unstreamed answer the measured TTFT is the gateway's estimate (the whole answer less
+    # its decode at the learnt step).
+    def errors(rs):
+        out = []
+        for r in rs:
+            replica_ms = r["ttft_ms"] - (r.get("queue_ms") or 0.0)
+            if r.get("predicted_ttft_ms") is not None and replica_ms > 0:
+                out.append(abs(r["predicted_ttft_ms"] - replica_ms) / replica_ms)
+        return out
+
+    errs = errors(recs)
+    whole = errors([r for r in recs if r.get("stream") is False])
     return {
         "queue_p99": quantile(queue, 0.99),
         "queue_share_p99": quantile(queue, 0.99) / max(1e-9, quantile(ttft, 0.99)),
         "slow_share": slow_share,
         "err_p50": quantile(errs, 0.5),
         "err_p90": quantile(errs, 0.9),
+        "err_p90_unstreamed": quantile(whole, 0.9) if whole else None,
+        "unstreamed": len(whole),
         "predicted": len(errs) / len(recs),
     }
 
@@ -174,9 +186,9 @@ def tail_table(folder: Path, warmup_s: float) -> None:
     print()
     print(
         "| rate/s | target | gateway queue p99 ms | ÷ TTFT p99 | queued share of the slowest 5% | "
-        "prediction error p50 | prediction error p90 | requests predicted |"
+        "prediction error p50 | prediction error p90 | of which unstreamed: n, p90 | requests predicted |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for (rate, t), sts in sorted(cells.items()):
         col = lambda k: [x[k] for x in sts if x[k] is not None]  # noqa: E731
         print(
@@ -185,6 +197,8 @@ def tail_table(folder: Path, warmup_s: float) -> None:
             f"{fmt(col('slow_share'), unit='%', digits=1, scale=100)} | "
             f"{fmt(col('err_p50'), unit='%', digits=0, scale=100) if col('err_p50') else '-'} | "
             f"{fmt(col('err_p90'), unit='%', digits=0, scale=100) if col('err_p90') else '-'} | "
+            f"{fmt(col('unstreamed'), digits=0) if any(col('unstreamed')) else '0'}, "
+            f"{fmt(col('err_p90_unstreamed'), unit='%', digits=0, scale=100) if col('err_p90_unstreamed') else '-'} | "
             f"{fmt(col('predicted'), unit='%', digits=0, scale=100)} |"
         )
 

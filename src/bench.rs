@@ -77,6 +77,11 @@ pub struct BenchArgs {
     /// No progress line on the terminal.
     #[arg(long)]
     pub no_progress: bool,
+    /// Send this share of the requests unstreamed (0–1; the same requests for every target):
+    /// SDK calls and batch clients that wait for the whole answer. They are judged on end to
+    /// end (TTFT budget plus the inter-token budget per further token).
+    #[arg(long, default_value_t = 0.0)]
+    pub unstreamed_share: f64,
 }
 
 pub async fn run_bench(a: BenchArgs) -> Result<()> {
@@ -99,6 +104,9 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         || !(a.duration > 0.0 && a.warmup >= 0.0 && a.warmup < a.duration)
     {
         bail!("rates and --duration must be positive, and 0 <= --warmup < --duration");
+    }
+    if !(0.0..=1.0).contains(&a.unstreamed_share) {
+        bail!("--unstreamed-share must be between 0 and 1");
     }
     if a.oracle_only {
         return print_oracle(&a, &workload, &rates).await;
@@ -124,6 +132,7 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         request_timeout: std::time::Duration::from_secs(600),
         slo: Slo::from_ms(a.slo_ttft_ms, a.slo_itl_ms),
         progress: !a.no_progress,
+        unstreamed_share: a.unstreamed_share,
     };
     // Single target, single rate, no flush: one run, every sample in --json-out.
     if targets.len() == 1 && rates.len() == 1 && a.out.is_none() {

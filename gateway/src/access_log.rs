@@ -54,6 +54,9 @@ pub struct AccessRecord {
     /// Every hold it met while queued, in order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub holds: Vec<HoldSpan>,
+    /// From arrival to the first token. For an unstreamed answer it is not seen but estimated:
+    /// the whole answer's time less its decode at the replica's learnt step (absent while
+    /// that step is unknown; a one-token answer needs none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
     /// What placement predicted the replica's time to first token would be.

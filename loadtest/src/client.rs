@@ -1,7 +1,7 @@
-//! The measuring client: sends one workload item as a streaming chat completion and times what
-//! the user would see — TTFT (first content), every inter-token gap, end to end — and records
-//! tokens in and out, `cached_tokens` from the final usage chunk and the `x-kvgate-replica`
-//! header.
+//! The measuring client: sends one workload item as a chat completion and times what the user
+//! would see — streamed: TTFT (first content), every inter-token gap, end to end; unstreamed:
+//! end to end only — and records tokens in and out, `cached_tokens` from the usage and the
+//! `x-kvgate-replica` header.
 
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,8 @@ use crate::workload::WorkItem;
 pub struct Sample {
     /// Offset of the scheduled start from the run's start, seconds.
     pub scheduled_s: f64,
+    /// Sent streamed (else unstreamed: no TTFT or gaps, only end to end).
+    pub stream: bool,
     pub status: u16,
     pub error: Option<String>,
     pub ttft_s: Option<f64>,
@@ -34,7 +36,7 @@ impl Sample {
     }
 }
 
-/// Sends `item` to `base_url` (`http://host:port`) as a streaming chat completion.
+/// Sends `item` to `base_url` (`http://host:port`) as a chat completion, streamed or not.
 pub async fn send(
     client: &reqwest::Client,
     base_url: &str,
@@ -42,10 +44,12 @@ pub async fn send(
     item: &WorkItem,
     scheduled_s: f64,
     timeout: Duration,
+    stream: bool,
 ) -> Sample {
     let started = Instant::now();
     let mut sample = Sample {
         scheduled_s,
+        stream,
         status: 0,
         error: None,
         ttft_s: None,
@@ -56,14 +60,16 @@ pub async fn send(
         cached_tokens: 0,
         replica: None,
     };
-    let body = json!({
+    let mut body = json!({
         "model": model,
         "messages": item.messages,
         "max_tokens": item.max_tokens,
-        "stream": true,
-        "stream_options": {"include_usage": true},
+        "stream": stream,
         "ignore_eos": true,
     });
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
     let mut req = client
         .post(format!("{base_url}/v1/chat/completions"))
         .json(&body)
@@ -90,6 +96,14 @@ pub async fn send(
         sample.e2e_s = started.elapsed().as_secs_f64();
         return sample;
     }
+    if !stream {
+        match resp.json::<Value>().await {
+            Ok(v) => usage_into(&mut sample, &v["usage"]),
+            Err(e) => sample.error = Some(e.to_string()),
+        }
+        sample.e2e_s = started.elapsed().as_secs_f64();
+        return sample;
+    }
     let mut stream = resp.bytes_stream();
     let mut dec = SseDecoder::new();
     let mut last: Option<Instant> = None;
@@ -108,11 +122,7 @@ pub async fn send(
                 break 'read;
             };
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                sample.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-                sample.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
-                sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
+                usage_into(&mut sample, u);
             }
             let has_content = v["choices"][0]["delta"]["content"]
                 .as_str()
@@ -129,4 +139,13 @@ pub async fn send(
     }
     sample.e2e_s = started.elapsed().as_secs_f64();
     sample
+}
+
+/// Tokens in, out and cached from an OpenAI `usage` object.
+fn usage_into(sample: &mut Sample, u: &Value) {
+    sample.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+    sample.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+    sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
 }

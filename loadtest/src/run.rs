@@ -74,8 +74,23 @@ pub fn is_good(slo: &Slo, s: &Sample) -> bool {
         .iter()
         .map(|&g| Duration::from_secs_f64(g.max(0.0)))
         .collect();
+    if !s.stream {
+        return slo
+            .judge_whole(
+                Duration::from_secs_f64(s.e2e_s.max(0.0)),
+                s.completion_tokens,
+            )
+            .good();
+    }
     slo.judge_stream(s.ttft_s.map(|t| Duration::from_secs_f64(t.max(0.0))), &gaps)
         .good()
+}
+
+/// Whether the `index`-th request of a run goes unstreamed, for a share of `share` (a fixed
+/// spread over indices, so every target of a comparison gets the same requests unstreamed).
+pub fn unstreamed(index: usize, share: f64) -> bool {
+    let h = (index as u64 ^ 0x5851_F42D_4C95_7F2D).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((h >> 11) as f64 / (1u64 << 53) as f64) < share
 }
 
 #[derive(Debug, Clone)]
@@ -94,6 +109,8 @@ pub struct RunSpec {
     pub slo: Slo,
     /// Draw a progress line on standard error (only when it is a terminal).
     pub progress: bool,
+    /// This share of the requests is sent unstreamed (0: every request streams).
+    pub unstreamed_share: f64,
 }
 
 /// The report of one run.
@@ -110,6 +127,8 @@ pub struct Report {
     pub shed: usize,
     /// Measured requests that failed otherwise.
     pub errors: usize,
+    /// Measured requests sent unstreamed (no TTFT or gaps: judged on end to end).
+    pub unstreamed: usize,
     pub duration_s: f64,
     /// Measured requests per second of the measured window (what was offered).
     pub offered_per_s: f64,
@@ -185,7 +204,8 @@ pub async fn run(spec: &RunSpec) -> Report {
         })
         .flatten();
     let mut tasks = Vec::with_capacity(items.len());
-    for (at, item) in schedule.iter().copied().zip(items) {
+    for (i, (at, item)) in schedule.iter().copied().zip(items).enumerate() {
+        let stream = !unstreamed(i, spec_arc.unstreamed_share);
         tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
         let client = client.clone();
         let spec = spec_arc.clone();
@@ -199,6 +219,7 @@ pub async fn run(spec: &RunSpec) -> Report {
                 &item,
                 at,
                 spec.request_timeout,
+                stream,
             )
             .await;
             done.fetch_add(1, Ordering::Relaxed);
@@ -258,6 +279,7 @@ pub fn summarise(spec: &RunSpec, samples: Vec<Sample>, elapsed: f64) -> Report {
         ok: ok.len(),
         shed,
         errors: measured.len() - ok.len() - shed,
+        unstreamed: measured.iter().filter(|s| !s.stream).count(),
         duration_s: elapsed,
         offered_per_s: measured.len() as f64 / window,
         requests_per_s: ok.len() as f64 / window,
@@ -303,6 +325,12 @@ impl Report {
             self.output_tokens_per_s,
             self.prefix_hit_ratio * 100.0
         );
+        if self.unstreamed > 0 {
+            out.push_str(&format!(
+                "unstreamed {} (in e2e only; ttft and inter-token are the streamed ones')\n",
+                self.unstreamed
+            ));
+        }
         out.push_str("timer (ms)        p50      p95      p99\n");
         for (name, s) in [
             ("ttft", &self.ttft_s),
@@ -329,6 +357,7 @@ mod tests {
     fn sample(ttft: f64, gaps: &[f64], status: u16) -> Sample {
         Sample {
             scheduled_s: 10.0,
+            stream: true,
             status,
             error: None,
             ttft_s: Some(ttft),
@@ -339,6 +368,29 @@ mod tests {
             cached_tokens: 50,
             replica: Some("r0".into()),
         }
+    }
+
+    #[test]
+    fn the_unstreamed_share_is_a_fixed_spread() {
+        let count = |share| (0..10_000).filter(|&i| unstreamed(i, share)).count();
+        assert_eq!(count(0.0), 0);
+        assert_eq!(count(1.0), 10_000);
+        let c = count(0.3);
+        assert!((2_800..3_200).contains(&c), "{c}");
+        assert_eq!(unstreamed(17, 0.3), unstreamed(17, 0.3));
+    }
+
+    #[test]
+    fn an_unstreamed_answer_is_judged_whole() {
+        let slo = Slo::from_ms(Some(1000), Some(50));
+        let mut s = sample(0.0, &[], 200);
+        s.stream = false;
+        s.ttft_s = None;
+        s.completion_tokens = 11;
+        s.e2e_s = 1.4; // within 1 s + 10 × 50 ms
+        assert!(is_good(&slo, &s));
+        s.e2e_s = 1.6;
+        assert!(!is_good(&slo, &s));
     }
 
     #[test]
@@ -368,6 +420,7 @@ mod tests {
             request_timeout: Duration::from_secs(1),
             slo: Slo::from_ms(Some(1000), None),
             progress: false,
+            unstreamed_share: 0.0,
         };
         let mut warm = sample(0.1, &[0.01], 200);
         warm.scheduled_s = 1.0;

@@ -375,6 +375,8 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
         model = %path.display(),
         weights_mib = weights.bytes() >> 20,
         kv_cache_mib = (num_blocks * cfg.block_size * per_token) >> 20,
+        kv_blocks = num_blocks,
+        kv_bytes_per_token = per_token,
         threads,
         prefill_tokens_per_s = rate.round(),
         "cpu backend loaded"

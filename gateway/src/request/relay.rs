@@ -131,12 +131,10 @@ impl Relay<'_> {
             .increment(1);
     }
 
-    /// Teaches the replica's TTFT fit from an unstreamed answer: its time from sending, less
-    /// the decode its other tokens took (at the learnt decode step; a one-token answer needs
-    /// none). Without it a fleet serving only unstreamed requests — batch clients, many SDK
-    /// calls — would be predicted from the prior forever (issue 29: a real vLLM at ~230
-    /// tokens/s was priced at the 8,000 default). Skipped while the step is not known.
-    fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) {
+    /// Teaches the replica's TTFT fit from an unstreamed answer: its time from sending less
+    /// its other tokens' decode at the learnt step (skipped while that is unknown), so unstreamed
+    /// traffic alone is not priced from the prior forever (issue 29). Returns that estimate.
+    fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) -> Option<Duration> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
         let decode = match output_tokens {
@@ -148,8 +146,19 @@ impl Relay<'_> {
                     .map(|step| step.mul_f64((n - 1) as f64))
             }
         };
-        if let Some(prefill) = decode.and_then(|d| total.checked_sub(d)) {
-            model.observe_ttft(ctx.ahead_tokens, ctx.uncached_tokens, prefill);
+        let prefill = decode.and_then(|d| total.checked_sub(d))?;
+        model.observe_ttft(ctx.ahead_tokens, ctx.uncached_tokens, prefill);
+        Some(prefill)
+    }
+
+    /// Logs placement's predicted TTFT; records observed (or estimated) ÷ predicted.
+    fn score_prediction(ctx: &RelayCtx<'_>, observed: Option<Duration>, rec: &mut AccessRecord) {
+        if let Some(predicted) = ctx.d.predicted_ttft_s().filter(|&p| p > 0.0) {
+            rec.predicted_ttft_ms = Some(predicted * 1e3);
+            if let Some(t) = observed {
+                let ratio = t.as_secs_f64() / predicted;
+                ctx.replica.metrics().ttft_prediction_ratio.record(ratio);
+            }
         }
     }
 
@@ -245,13 +254,15 @@ impl Relay<'_> {
         let stats = &ctx.admitted.route().stats;
         stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
         let mut output_tokens = 1;
+        let mut first_token = None;
         if status == 200 {
             // Only the usage is read (the rest of the answer is skipped, not built); the
             // answer is re-serialised only when the hit policy changes what it says.
             if let Ok(a) = serde_json::from_slice::<AnswerUsage>(&body) {
                 let usage = a.usage.unwrap_or_default();
                 output_tokens = usage.completion_tokens.unwrap_or(1);
-                Self::learn_from_whole(ctx, now, output_tokens);
+                first_token = Self::learn_from_whole(ctx, now, output_tokens);
+                Self::score_prediction(ctx, first_token, rec);
                 let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
                 rec.cached_tokens = cached;
                 if cached.is_some_and(|c| ctx.hits.shown_tokens(c) != c) {
@@ -282,7 +293,7 @@ impl Relay<'_> {
         };
         stats.e2e_seconds.record(outcome.e2e.as_secs_f64());
         rec.output_tokens = Some(output_tokens);
-        rec.ttft_ms = Some((now - ctx.started).as_secs_f64() * 1e3);
+        rec.ttft_ms = first_token.map(|t| (ctx.sent_at - ctx.started + t).as_secs_f64() * 1e3);
         if status == 200 {
             let rt = ctx.admitted.route();
             stats.finished(rt.now_s(), &outcome, &ctx.route.slo);
@@ -349,14 +360,7 @@ impl Relay<'_> {
                             ctx.uncached_tokens,
                             now - ctx.sent_at,
                         );
-                        if let Some(predicted) = ctx.d.predicted_ttft_s().filter(|&p| p > 0.0) {
-                            let observed = (now - ctx.sent_at).as_secs_f64();
-                            ctx.replica
-                                .metrics()
-                                .ttft_prediction_ratio
-                                .record(observed / predicted);
-                            rec.predicted_ttft_ms = Some(predicted * 1e3);
-                        }
+                        Self::score_prediction(ctx, Some(now - ctx.sent_at), rec);
                     }
                     Some(prev) => {
                         let batch = ctx.replica.load().requests().max(1);
