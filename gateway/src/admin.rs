@@ -136,6 +136,7 @@ pub async fn admin_handle(
                         "kv_events": r.events_live(),
                         "backend": reg.backend(r),
                         "kv_events_error": r.events_error(),
+                        "prompt_check": r.prompt_check.describe(),
                         "in_flight": l.in_flight,
                         "waiting": l.waiting,
                         "running": l.running,

@@ -31,6 +31,8 @@ pub struct ReplicaMetrics {
     pub kv_events_live: Gauge,
     /// Observed ÷ predicted time to first token of the requests placed there.
     pub ttft_prediction_ratio: Histogram,
+    /// Answers whose `usage.prompt_tokens` matched the gateway's count, and those that did not.
+    pub prompt_checks: [Counter; 2],
 }
 
 /// Buckets of observed ÷ predicted TTFT: 1 is a perfect prediction.
@@ -186,6 +188,14 @@ impl GatewayMetrics {
                 &Key::from_parts("kvgate_gateway_replica_kv_events_live", l()),
                 &META,
             ),
+            prompt_checks: ["match", "mismatch"].map(|result| {
+                let mut labels = l();
+                labels.push(Label::new("result", result));
+                r.register_counter(
+                    &Key::from_parts("kvgate_gateway_prompt_token_checks_total", labels),
+                    &META,
+                )
+            }),
         }
     }
 

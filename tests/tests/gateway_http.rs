@@ -423,9 +423,10 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
     );
     assert_eq!(learnt["ttft_observations"], 1, "{after}");
     assert!(learnt["itl_ms_batch_1"].as_f64().unwrap() > 0.0, "{after}");
-    // Unstreamed answers teach it too: a one-token answer's time is its TTFT, a longer one's
-    // less its decode at the learnt step.
-    for max_tokens in [1, 12] {
+    // Unstreamed answers teach it too: a one-token answer's time is its TTFT (a longer one's
+    // less its decode at the learnt step) — but not one whose decode is most of its time, where
+    // a small error in the step would make a large one in the TTFT.
+    for max_tokens in [1, 200] {
         let r = gw
             .post(
                 "/v1/chat/completions",
@@ -437,7 +438,7 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
         let _ = r.bytes().await.unwrap();
     }
     let whole = gw.admin_json("/admin/replicas").await;
-    assert_eq!(whole[0]["learnt"]["ttft_observations"], 3, "{whole}");
+    assert_eq!(whole[0]["learnt"]["ttft_observations"], 2, "{whole}");
 }
 
 /// A burst's follower, sent while the first request is still prefilling the prefix they share,

@@ -4,8 +4,10 @@
 //! learnt from what the gateway relays, and [`prefill_queue`], the prefill sent there and not
 //! yet answered), how loaded ([`pressure`]), where they come from ([`discovery`]), how the
 //! gateway talks to them ([`client`]), what a request holds there while it runs
-//! ([`guards`]), and which answer unusably ([`outlier`]). Their KV event streams are followed here ([`events`], [`tasks`]) and written
-//! into the prefix index (`prefix/`).
+//! ([`guards`]), which answer unusably ([`outlier`]), and whose prompt token counts differ
+//! from the gateway's ([`prompt_check`]: a drifted tokenizer or chat template). Their KV event
+//! streams are followed here ([`events`], [`tasks`]) and written into the prefix index
+//! (`prefix/`).
 
 pub mod client;
 pub mod discovery;
@@ -18,6 +20,7 @@ pub mod outlier;
 pub mod prefill_queue;
 pub mod pressure;
 pub mod probes;
+pub mod prompt_check;
 pub mod registry;
 pub mod replica;
 pub mod tasks;

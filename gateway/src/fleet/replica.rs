@@ -14,8 +14,10 @@ use std::time::Instant;
 use parking_lot::RwLock;
 use policies::{LoadSignal, SpeedView};
 
+use crate::access_log::AccessRecord;
 use crate::fleet::latency_model::LatencyModel;
 use crate::fleet::prefill_queue::PrefillQueue;
+use crate::fleet::prompt_check::{PromptCheck, Verdict};
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 
 pub struct ReplicaHandle {
@@ -83,6 +85,8 @@ pub struct ReplicaHandle {
     /// Bumped each time the replica is ejected: requests waiting on it give up at once (and
     /// are retried elsewhere when nothing reached the client yet).
     pub(super) ejections: tokio::sync::watch::Sender<u64>,
+    /// Its prompt token counts against the gateway's (tokenizer / chat template drift).
+    pub prompt_check: PromptCheck,
 }
 
 impl ReplicaHandle {
@@ -123,6 +127,7 @@ impl ReplicaHandle {
             outlier_ejections: AtomicU32::new(0),
             outlier_until_ms: AtomicU64::new(0),
             ejections: tokio::sync::watch::Sender::new(0),
+            prompt_check: PromptCheck::default(),
         }
     }
 
@@ -143,6 +148,27 @@ impl ReplicaHandle {
             let _ = self.label.set(self.name.clone());
             self.factory.replica(self.label(), &self.name)
         })
+    }
+
+    /// Checks the engine's `usage.prompt_tokens` against the gateway's count for one answer
+    /// (see [`PromptCheck`]); counts the verdict and warns at the replica's first mismatch.
+    pub fn check_prompt(&self, rec: &AccessRecord, engine: Option<u64>) {
+        let (gateway, route) = (rec.prompt_tokens, rec.route.as_deref().unwrap_or_default());
+        let Some(v) = self.prompt_check.observe(gateway, engine, route) else {
+            return;
+        };
+        self.metrics().prompt_checks[usize::from(v != Verdict::Match)].increment(1);
+        if v == Verdict::FirstMismatch {
+            tracing::warn!(
+                replica = %self.label(),
+                gateway_tokens = gateway,
+                engine_tokens = engine,
+                route,
+                "the engine counts this prompt's tokens differently from the gateway: is the \
+                 gateway's tokenizer folder (model.tokenizer_dir) and chat template the engine's? \
+                 Prefix routing cannot match its cache until they agree"
+            );
+        }
     }
 
     /// Resolves when the replica is ejected after this call.

@@ -26,6 +26,10 @@ const COUNTERS: &[(&str, &str)] = &[
         "Requests re-sent to another replica",
     ),
     (
+        "kvgate_gateway_prompt_token_checks_total",
+        "Answers whose usage.prompt_tokens was compared with the gateway's own count, by replica and result (match, mismatch: the gateway's tokenizer or chat template is not the engine's)",
+    ),
+    (
         "kvgate_gateway_upstream_errors_total",
         "Unusable answers from a replica, by reason (5xx, not JSON, not SSE, bad event, past max_tokens or a size cap, stall)",
     ),

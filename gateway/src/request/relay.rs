@@ -102,16 +102,15 @@ impl Relay<'_> {
                 format!("replica {name} sent an event over {MAX_EVENT_BYTES} bytes"),
             ));
         }
-        if let Some(max) = self.max_token_events {
-            if tap.choice_events > max + self.limits.stream_token_slack {
-                return Some((
-                    "too_many_tokens",
-                    format!(
-                        "replica {name} sent {} token events; max_tokens allows {max}",
-                        tap.choice_events
-                    ),
-                ));
-            }
+        let slack = self.limits.stream_token_slack;
+        if let Some(max) = (self.max_token_events).filter(|&m| tap.choice_events > m + slack) {
+            return Some((
+                "too_many_tokens",
+                format!(
+                    "replica {name} sent {} token events; max_tokens allows {max}",
+                    tap.choice_events
+                ),
+            ));
         }
         if bytes > self.limits.max_stream_bytes {
             return Some((
@@ -131,22 +130,19 @@ impl Relay<'_> {
             .increment(1);
     }
 
-    /// Teaches the replica's TTFT fit from an unstreamed answer: its time from sending less
-    /// its other tokens' decode at the learnt step (skipped while that is unknown), so unstreamed
-    /// traffic alone is not priced from the prior forever (issue 29). Returns that estimate.
+    /// Teaches the TTFT fit from an unstreamed answer (else such traffic is priced from the prior
+    /// forever, issue 29): its time from sending less its other tokens' decode at the learnt step,
+    /// only while that decode is at most half the time — a step e off then moves the estimate at
+    /// most e (255 tokens at a step 10% off would be seconds off). Returns the estimate.
     fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) -> Option<Duration> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
+        let batch = ctx.replica.load().requests().max(1);
         let decode = match output_tokens {
-            0 | 1 => Some(Duration::ZERO),
-            n => {
-                let batch = ctx.replica.load().requests().max(1);
-                model
-                    .predict_itl(batch)
-                    .map(|step| step.mul_f64((n - 1) as f64))
-            }
+            0 | 1 => Duration::ZERO,
+            n => model.predict_itl(batch)?.mul_f64((n - 1) as f64),
         };
-        let prefill = decode.and_then(|d| total.checked_sub(d))?;
+        let prefill = total.checked_sub(decode).filter(|&p| p >= total / 2)?;
         model.observe_ttft(ctx.ahead_tokens, ctx.uncached_tokens, prefill);
         Some(prefill)
     }
@@ -254,18 +250,19 @@ impl Relay<'_> {
         let stats = &ctx.admitted.route().stats;
         stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
         let mut output_tokens = 1;
-        let mut first_token = None;
         if status == 200 {
             // Only the usage is read (the rest of the answer is skipped, not built); the
             // answer is re-serialised only when the hit policy changes what it says.
             if let Ok(a) = serde_json::from_slice::<AnswerUsage>(&body) {
                 let usage = a.usage.unwrap_or_default();
                 output_tokens = usage.completion_tokens.unwrap_or(1);
-                first_token = Self::learn_from_whole(ctx, now, output_tokens);
+                let first_token = Self::learn_from_whole(ctx, now, output_tokens);
+                rec.ttft_ms =
+                    first_token.map(|t| (t + (ctx.sent_at - ctx.started)).as_secs_f64() * 1e3);
                 Self::score_prediction(ctx, first_token, rec);
-                let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
-                rec.cached_tokens = cached;
-                if cached.is_some_and(|c| ctx.hits.shown_tokens(c) != c) {
+                ctx.replica.check_prompt(rec, usage.prompt_tokens);
+                rec.cached_tokens = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+                if (rec.cached_tokens).is_some_and(|c| ctx.hits.shown_tokens(c) != c) {
                     if let Ok(mut v) = serde_json::from_slice::<Value>(&body) {
                         ctx.hits.rewrite_usage(&mut v);
                         body = Bytes::from(v.to_string());
@@ -293,7 +290,6 @@ impl Relay<'_> {
         };
         stats.e2e_seconds.record(outcome.e2e.as_secs_f64());
         rec.output_tokens = Some(output_tokens);
-        rec.ttft_ms = first_token.map(|t| (ctx.sent_at - ctx.started + t).as_secs_f64() * 1e3);
         if status == 200 {
             let rt = ctx.admitted.route();
             stats.finished(rt.now_s(), &outcome, &ctx.route.slo);
@@ -444,6 +440,7 @@ impl Relay<'_> {
         };
         outcome.output_tokens = tap.completion_tokens.unwrap_or(tap.choice_events);
         rec.cached_tokens = tap.cached_tokens;
+        ctx.replica.check_prompt(rec, tap.prompt_tokens);
         rec.output_tokens = Some(outcome.output_tokens);
         rec.ttft_ms = outcome.ttft.map(|t| t.as_secs_f64() * 1e3);
         let rt = ctx.admitted.route();

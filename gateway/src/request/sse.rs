@@ -86,6 +86,7 @@ pub struct SseTap {
     /// From the usage event, when the client asked for one.
     pub cached_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    pub prompt_tokens: Option<u64>,
 }
 
 /// End of the first event in `buf`: the index just past its blank line.
@@ -219,6 +220,9 @@ impl SseTap {
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             self.completion_tokens = Some(n);
         }
+        if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
+            self.prompt_tokens = Some(n);
+        }
         let cached = hits.rewrite_usage(&mut v)?;
         self.cached_tokens = Some(cached);
         if hits.shown_tokens(cached) == cached {
@@ -304,6 +308,7 @@ pub struct AnswerUsage {
 
 #[derive(serde::Deserialize, Default)]
 pub struct Usage {
+    pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
     pub prompt_tokens_details: Option<PromptDetails>,
 }
