@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use gateway::clock::{Clock, ManualClock};
-use gateway::fleet::latency_model::LatencyModel;
+use gateway::fleet::latency_model::{LatencyModel, Prefill};
 use gateway::fleet::pressure::ReplicaPressure;
 use gateway::routes::admissible::admissible;
 use gateway::routes::queue::AdmissionQueue;
@@ -58,8 +58,12 @@ impl Replica {
         while self.learnt < self.sent.len() && self.sent[self.learnt].0 <= now {
             let (first, _, ahead) = self.sent[self.learnt];
             let ttft = first - sent_at[self.learnt];
-            self.model
-                .observe_ttft(ahead, PROMPT, Duration::from_secs_f64(ttft));
+            let p = Prefill {
+                ahead,
+                tokens: PROMPT,
+                cached: 0,
+            };
+            self.model.observe_ttft(p, Duration::from_secs_f64(ttft));
             self.learnt += 1;
         }
     }
@@ -117,6 +121,7 @@ fn run(admission: bool) -> Outcome {
                             &replicas[i].model,
                             &replicas[i].pressure(now),
                             PROMPT,
+                            0,
                             &slo,
                             0.9,
                         )
@@ -126,7 +131,7 @@ fn run(admission: bool) -> Outcome {
                     let t = |i: usize| {
                         let r: &Replica = &replicas[i];
                         r.model
-                            .predict_ttft(r.pressure(now).queued_prefill_tokens, PROMPT)
+                            .predict_ttft(r.pressure(now).queued_prefill_tokens, PROMPT, 0)
                             .unwrap()
                     };
                     t(a).cmp(&t(b))
@@ -146,7 +151,7 @@ fn run(admission: bool) -> Outcome {
                         .iter()
                         .map(|r| {
                             r.model
-                                .predict_ttft(r.pressure(now).queued_prefill_tokens, PROMPT)
+                                .predict_ttft(r.pressure(now).queued_prefill_tokens, PROMPT, 0)
                                 .unwrap()
                                 .as_secs_f64()
                         })

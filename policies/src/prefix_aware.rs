@@ -107,7 +107,8 @@ impl PrefixAware {
         };
         let (cost, estimate) = match self.cfg.cost {
             CostModel::Ttft => {
-                let e = r.speed.estimate(uncached);
+                let cached = (req.prompt_tokens as u64).saturating_sub(uncached);
+                let e = r.speed.estimate(uncached, cached);
                 let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
                 let work = e.ttft_s - r.speed.overhead_s;
                 (shared_overhead + work + stall, Some(e))

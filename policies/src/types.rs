@@ -28,6 +28,10 @@ pub struct SpeedView {
     pub overhead_s: f64,
     /// Prefill seconds per uncached prompt token (the learnt fit's slope).
     pub seconds_per_token: f64,
+    /// Seconds per unit of a request's own attention work: its uncached tokens times the
+    /// context they attend to (`u · (cached + u / 2)`), over [`ATTENTION_UNIT`] tokens (the fit
+    /// learns it; 0 where attention is cheap or not yet seen).
+    pub seconds_per_attention: f64,
     /// Uncached prompt tokens already sent there that have not produced a first token: the
     /// prefill queued ahead of a new request.
     pub queued_prefill_tokens: u64,
@@ -47,6 +51,7 @@ impl Default for SpeedView {
         SpeedView {
             overhead_s: 0.02,
             seconds_per_token: 1.0 / 8_000.0,
+            seconds_per_attention: 0.0,
             queued_prefill_tokens: 0,
             decode_step_s: None,
             current_step_s: None,
@@ -69,13 +74,21 @@ pub struct TtftEstimate {
     pub own_prefill_s: f64,
 }
 
+/// The scale of attention work (tokens): `u · (c + u / 2)` is divided by it.
+pub const ATTENTION_UNIT: f64 = 4096.0;
+
 impl SpeedView {
-    /// Predicts a request with `uncached` prompt tokens here.
-    pub fn estimate(&self, uncached: u64) -> TtftEstimate {
+    /// Predicts a request with `uncached` prompt tokens after `cached` cached ones here.
+    pub fn estimate(&self, uncached: u64, cached: u64) -> TtftEstimate {
         let work = self.queued_prefill_tokens + uncached;
+        let u = uncached as f64;
+        let attention = u * (cached as f64 + u / 2.0) / ATTENTION_UNIT;
+        let own_prefill_s = u * self.seconds_per_token + attention * self.seconds_per_attention;
         TtftEstimate {
-            ttft_s: self.overhead_s + work as f64 * self.seconds_per_token,
-            own_prefill_s: uncached as f64 * self.seconds_per_token,
+            ttft_s: self.overhead_s
+                + (work - uncached) as f64 * self.seconds_per_token
+                + own_prefill_s,
+            own_prefill_s,
         }
     }
 }
@@ -399,5 +412,27 @@ pub(crate) fn request<'a>(hashes: &'a [u64], matched: &'a [usize]) -> RouteReque
         itl_target_s: None,
         prefix_reuse: &[],
         dry_run: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_cached_context_makes_new_tokens_dearer_only_where_attention_is_learnt() {
+        let s = SpeedView {
+            seconds_per_attention: 0.001,
+            ..SpeedView::default()
+        };
+        let (cold, warm) = (s.estimate(100, 0), s.estimate(100, 4096));
+        // 100 new tokens attending to 4,096 more: 100 × 4,096 / 4,096 = 100 units more.
+        assert!(
+            (warm.ttft_s - cold.ttft_s - 0.1).abs() < 1e-9,
+            "{cold:?} {warm:?}"
+        );
+        assert!((warm.own_prefill_s - cold.own_prefill_s - 0.1).abs() < 1e-9);
+        let flat = SpeedView::default();
+        assert_eq!(flat.estimate(100, 4096), flat.estimate(100, 0));
     }
 }

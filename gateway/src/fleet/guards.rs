@@ -36,6 +36,15 @@ impl PendingPrefill {
         )
     }
 
+    /// The request is unstreamed: no first byte will say when its prefill is done
+    /// ([`crate::fleet::prefill_queue::PrefillQueue::unstreamed`]).
+    pub fn unstreamed(&self) {
+        if let Some(id) = self.id {
+            let (overhead_s, seconds_per_token) = self.replica.model.lock().ttft_coefficients();
+            (self.replica.prefill).unstreamed(id, overhead_s, seconds_per_token);
+        }
+    }
+
     pub fn done(&mut self) {
         if let Some(id) = self.id.take() {
             self.replica.prefill.done(id, Instant::now());

@@ -1,19 +1,22 @@
 //! What the gateway learns about one replica's speed, for admission to predict from. A
-//! [`LatencyModel`] learns from what the gateway forwards: time to first token as an affine
-//! function of the prefill in front of it (`overhead + tokens / rate`, where tokens are the
-//! uncached prompt tokens queued ahead plus the request's own), and the inter-token gap as a
-//! function of the running batch — its median (the decode step: the knee) and its p95 (stalls
-//! included, reported), learnt per batch bucket and interpolated between buckets. The TTFT fit starts from a prior — the replica's own estimate of its prefill rate
-//! when it reports one (`prefill_tokens_per_s` in `/server_info`), a generic one otherwise —
-//! held as two pseudo-observations, at 0 and at 4,096 tokens: after a hundred short prompts,
-//! the fit still knows what a 6k-token prompt costs instead of extrapolating the short prompts'
-//! fixed overhead into a huge per-token cost.
+//! [`LatencyModel`] learns from what the gateway forwards: time to first token as a plane over
+//! the prefill in front of it and the request's own attention work (`fleet/ttft_fit.rs`:
+//! `overhead + tokens / rate + attention cost`, where tokens are the uncached prompt tokens
+//! queued ahead plus the request's own), and the inter-token gap as a function of the running
+//! batch — its median (the decode step: the knee) and its p95 (stalls included, reported),
+//! learnt per batch bucket and interpolated between buckets. The TTFT fit starts from a prior —
+//! the replica's own estimate of its prefill rate when it reports one (`prefill_tokens_per_s`
+//! in `/server_info`), a generic one otherwise — held as a light ridge: after a hundred short
+//! prompts, the fit still knows what a 6k-token prompt costs instead of extrapolating the short
+//! prompts' fixed overhead into a huge per-token cost, and where prompts vary the data rules.
 //!
 //! Each replica's record (`fleet/replica.rs`) holds one; the relay stage (`request/relay.rs`)
 //! feeds it and the admission rule (`routes/admissible.rs`) judges requests by its
 //! predictions. It holds no I/O and no clock.
 
 use std::time::Duration;
+
+use crate::fleet::ttft_fit::{attention, TtftCoefficients, TtftFit};
 
 /// Exponentially weighted moving average; `None` until the first sample.
 #[derive(Debug, Clone, Copy, Default)]
@@ -84,82 +87,7 @@ fn bucket(batch: u32) -> usize {
         .unwrap_or(BATCH_BUCKETS.len() - 1)
 }
 
-/// The prefill rate assumed before a replica says or shows its own (tokens/s): an 8B model
-/// on one mid-range GPU.
-pub const GENERIC_PREFILL_RATE: f64 = 8_000.0;
-/// Fixed cost of a request before its prefill (seconds), in the prior.
-pub const GENERIC_OVERHEAD_S: f64 = 0.02;
-
-/// `ttft ≈ a + b · tokens`, fitted by weighted least squares: every observation's weight
-/// decays by [`TtftFit::FORGET`] per later observation (the replica's speed drifts with its
-/// load), and two pseudo-observations of the prior, at 0 and [`TtftFit::PRIOR_SPAN`] tokens,
-/// keep the line anchored where no data is.
-#[derive(Debug, Clone)]
-struct TtftFit {
-    sw: f64,
-    sx: f64,
-    sy: f64,
-    sxx: f64,
-    sxy: f64,
-    /// Prior overhead (s) and cost per token (s).
-    a0: f64,
-    b0: f64,
-    observed: u64,
-}
-
-impl Default for TtftFit {
-    fn default() -> Self {
-        TtftFit {
-            sw: 0.0,
-            sx: 0.0,
-            sy: 0.0,
-            sxx: 0.0,
-            sxy: 0.0,
-            a0: GENERIC_OVERHEAD_S,
-            b0: 1.0 / GENERIC_PREFILL_RATE,
-            observed: 0,
-        }
-    }
-}
-
-impl TtftFit {
-    const FORGET: f64 = 0.98;
-    const PRIOR_SPAN: f64 = 4096.0;
-    const PRIOR_WEIGHT: f64 = 0.5;
-
-    fn observe(&mut self, x: f64, y: f64) {
-        let f = Self::FORGET;
-        self.sw = self.sw * f + 1.0;
-        self.sx = self.sx * f + x;
-        self.sy = self.sy * f + y;
-        self.sxx = self.sxx * f + x * x;
-        self.sxy = self.sxy * f + x * y;
-        self.observed += 1;
-    }
-
-    /// `(a, b)`: overhead in seconds and seconds per token.
-    fn coefficients(&self) -> (f64, f64) {
-        let w = Self::PRIOR_WEIGHT;
-        let (x1, y0, y1) = (
-            Self::PRIOR_SPAN,
-            self.a0,
-            self.a0 + self.b0 * Self::PRIOR_SPAN,
-        );
-        let sw = self.sw + 2.0 * w;
-        let sx = self.sx + w * x1;
-        let sy = self.sy + w * (y0 + y1);
-        let sxx = self.sxx + w * x1 * x1;
-        let sxy = self.sxy + w * x1 * y1;
-        let det = sw * sxx - sx * sx;
-        if det <= f64::EPSILON {
-            return (self.a0, self.b0);
-        }
-        // Never faster than 20x the prior per token, never negative.
-        let b = ((sw * sxy - sx * sy) / det).max(self.b0 / 20.0);
-        let a = ((sy - b * sx) / sw).max(0.0);
-        (a, b)
-    }
-}
+pub use crate::fleet::ttft_fit::{GENERIC_OVERHEAD_S, GENERIC_PREFILL_RATE};
 
 /// The replica's most recent inter-token gaps, whatever the batch: the share of them over a
 /// target is the share of steps that stalled its streams. A step that carries a prefill chunk
@@ -200,6 +128,17 @@ impl RecentGaps {
     }
 }
 
+/// The prefill in front of one request's first token at a replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Prefill {
+    /// Uncached prompt tokens already queued there when it was sent.
+    pub ahead: u64,
+    /// Its own uncached prompt tokens.
+    pub tokens: u64,
+    /// Its prompt tokens before those, cached there (what its own attend to).
+    pub cached: u64,
+}
+
 /// What the gateway has learnt about one replica's speed.
 #[derive(Debug, Clone, Default)]
 pub struct LatencyModel {
@@ -214,35 +153,41 @@ impl LatencyModel {
     /// Sets the prior of the TTFT fit: the replica's own prefill rate (tokens/s) and fixed
     /// overhead (s).
     pub fn set_prior(&mut self, prefill_tokens_per_s: f64, overhead_s: f64) {
-        if prefill_tokens_per_s > 0.0 && prefill_tokens_per_s.is_finite() {
-            self.ttft.b0 = 1.0 / prefill_tokens_per_s;
-        }
-        if overhead_s >= 0.0 && overhead_s.is_finite() {
-            self.ttft.a0 = overhead_s;
-        }
+        let rate = prefill_tokens_per_s;
+        self.ttft.set_prior(
+            (rate > 0.0 && rate.is_finite()).then(|| 1.0 / rate),
+            (overhead_s >= 0.0 && overhead_s.is_finite()).then_some(overhead_s),
+        );
     }
 
-    /// A request with `tokens` uncached prompt tokens, behind `ahead` tokens of queued prefill,
-    /// saw its first token after `ttft`.
-    pub fn observe_ttft(&mut self, ahead: u64, tokens: u64, ttft: Duration) {
+    /// A request with the prefill `p` in front of its first token saw it after `ttft`.
+    pub fn observe_ttft(&mut self, p: Prefill, ttft: Duration) {
         let s = ttft.as_secs_f64();
         if s > 0.0 {
-            self.ttft.observe((ahead + tokens) as f64, s);
+            let work = (p.ahead + p.tokens) as f64;
+            self.ttft.observe(work, attention(p.tokens, p.cached), s);
         }
     }
 
     /// TTFT observations so far.
     pub fn ttft_observations(&self) -> u64 {
-        self.ttft.observed
+        self.ttft.observed()
     }
 
     /// The fixed part of TTFT as learnt (seconds).
     pub fn ttft_overhead(&self) -> f64 {
-        self.ttft.coefficients().0
+        self.ttft.coefficients().overhead_s
     }
 
-    /// The TTFT fit as learnt: overhead (s) and seconds per prefill token.
+    /// The TTFT fit as learnt: overhead (s) and seconds per prefill token (the attention term
+    /// aside: [`LatencyModel::ttft_plane`]).
     pub fn ttft_coefficients(&self) -> (f64, f64) {
+        let c = self.ttft.coefficients();
+        (c.overhead_s, c.seconds_per_token)
+    }
+
+    /// The whole TTFT fit, attention included.
+    pub fn ttft_plane(&self) -> TtftCoefficients {
         self.ttft.coefficients()
     }
 
@@ -269,14 +214,15 @@ impl LatencyModel {
 
     /// Prefill tokens per second as learnt (the prior until observations move it).
     pub fn prefill_rate(&self) -> Option<f64> {
-        let (_, b) = self.ttft.coefficients();
+        let b = self.ttft.coefficients().seconds_per_token;
         (b > 0.0).then(|| 1.0 / b)
     }
 
-    /// Predicted time to first token behind `ahead` queued tokens with `tokens` of its own.
-    pub fn predict_ttft(&self, ahead: u64, tokens: u64) -> Option<Duration> {
-        let (a, b) = self.ttft.coefficients();
-        Some(Duration::from_secs_f64(a + b * (ahead + tokens) as f64))
+    /// Predicted time to first token behind `ahead` queued tokens with `tokens` of its own
+    /// after `cached` cached ones.
+    pub fn predict_ttft(&self, ahead: u64, tokens: u64, cached: u64) -> Option<Duration> {
+        let t = self.ttft.coefficients().predict(ahead, tokens, cached);
+        Some(Duration::from_secs_f64(t))
     }
 
     /// The decode step (median gap) at `batch`: interpolated between the learnt buckets around
@@ -324,15 +270,24 @@ pub(crate) mod tests {
 
     const MS: Duration = Duration::from_millis(1);
 
+    /// `tokens` uncached behind `ahead`, nothing cached.
+    pub(crate) fn p(ahead: u64, tokens: u64) -> Prefill {
+        Prefill {
+            ahead,
+            tokens,
+            cached: 0,
+        }
+    }
+
     /// A replica that prefills 10k tokens/s and whose gap grows from 10 ms at batch 1 to 40 ms
     /// at 32 and 80 ms at 64: the knee for a 50 ms promise lies between 32 and 64. Shared with
     /// `admission.rs`'s tests.
     pub(crate) fn learnt() -> LatencyModel {
         let mut m = LatencyModel::default();
         for _ in 0..20 {
-            m.observe_ttft(0, 200, 20 * MS);
-            m.observe_ttft(0, 1000, 100 * MS);
-            m.observe_ttft(3000, 1000, 400 * MS);
+            m.observe_ttft(p(0, 200), 20 * MS);
+            m.observe_ttft(p(0, 1000), 100 * MS);
+            m.observe_ttft(p(3000, 1000), 400 * MS);
             m.observe_itl(1, 10 * MS);
             m.observe_itl(32, 40 * MS);
             m.observe_itl(64, 80 * MS);
@@ -346,7 +301,7 @@ pub(crate) mod tests {
         let mut m = LatencyModel::default();
         for i in 0..200u64 {
             let n = 100 + (i % 20) * 200;
-            m.observe_ttft(0, n, Duration::from_secs_f64(0.01 + n as f64 / 2_000.0));
+            m.observe_ttft(p(0, n), Duration::from_secs_f64(0.01 + n as f64 / 2_000.0));
         }
         let rate = m.prefill_rate().unwrap();
         assert!((rate - 2_000.0).abs() < 200.0, "{rate}");

@@ -1,6 +1,6 @@
 //! The replicas behind the gateway: who they are ([`registry`] — the list, reloadable, by
 //! slot — and one [`replica`] record each), whether they are up ([`health`]), what they say
-//! about themselves ([`probes`], [`engine_metrics`]), how fast they are ([`latency_model`],
+//! about themselves ([`probes`], [`engine_metrics`]), how fast they are ([`latency_model`] and its [`ttft_fit`],
 //! learnt from what the gateway relays, and [`prefill_queue`], the prefill sent there and not
 //! yet answered), how loaded ([`pressure`]), where they come from ([`discovery`]), how the
 //! gateway talks to them ([`client`]), what a request holds there while it runs
@@ -24,3 +24,4 @@ pub mod prompt_check;
 pub mod registry;
 pub mod replica;
 pub mod tasks;
+pub mod ttft_fit;

@@ -27,6 +27,17 @@ struct Entry {
     /// `k`), so placement can ask whether a prefix is still being computed here. Shared with
     /// the request, not copied.
     blocks: Arc<[u64]>,
+    /// The prefill in front of it when it was sent.
+    ahead: u64,
+    /// An unstreamed request's first byte is its whole answer, a decode later: its prefill is
+    /// taken as done from here on.
+    settles: Option<Instant>,
+}
+
+impl Entry {
+    fn live(&self, now: Instant) -> bool {
+        self.settles.is_none_or(|t| now < t)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -55,12 +66,18 @@ impl PrefillQueue {
     /// `overhead_s`, at `seconds_per_token`.
     pub fn remaining(&self, now: Instant, overhead_s: f64, seconds_per_token: f64) -> u64 {
         let q = self.queue.lock();
-        let outstanding = self.outstanding();
+        let settled: u64 = q
+            .waiting
+            .iter()
+            .filter(|e| !e.live(now))
+            .map(|e| e.tokens)
+            .sum();
+        let outstanding = self.outstanding().saturating_sub(settled);
         let Some(&Entry {
             tokens: head_tokens,
             sent,
             ..
-        }) = q.waiting.front()
+        }) = q.waiting.iter().find(|e| e.live(now))
         else {
             return outstanding;
         };
@@ -92,19 +109,36 @@ impl PrefillQueue {
             tokens,
             sent: now,
             blocks,
+            ahead,
+            settles: None,
         });
         self.outstanding.fetch_add(tokens, Ordering::Relaxed);
         (id, ahead)
     }
 
+    /// Request `id` will not be answered by a first byte of its own (it is unstreamed): its
+    /// prefill is taken as done once twice its predicted time to first token has passed since
+    /// it was sent — the prefill ahead of it and its own, after `overhead_s`, at
+    /// `seconds_per_token`. Without it an unstreamed request stayed in the queue through its
+    /// whole decode, and the requests after it were priced behind prefill long done (in front
+    /// of vLLM, predictions of 1.8 s for TTFTs of 0.65 s: BENCHMARKS, issue 29).
+    pub fn unstreamed(&self, id: u64, overhead_s: f64, seconds_per_token: f64) {
+        let mut q = self.queue.lock();
+        if let Some(e) = q.waiting.iter_mut().find(|e| e.id == id) {
+            let predicted = overhead_s + (e.ahead + e.tokens) as f64 * seconds_per_token;
+            e.settles = Some(e.sent + std::time::Duration::from_secs_f64(2.0 * predicted.max(0.0)));
+        }
+    }
+
     /// Whether an unanswered request's prompt has `hash` as its block `k`: the prefix up to
     /// that block is still being prefilled here (or waits to be).
     pub fn computing(&self, k: usize, hash: u64) -> bool {
+        let now = Instant::now();
         self.queue
             .lock()
             .waiting
             .iter()
-            .any(|e| e.blocks.get(k) == Some(&hash))
+            .any(|e| e.live(now) && e.blocks.get(k) == Some(&hash))
     }
 
     /// Request `id` was answered (first byte) or abandoned at `now`.
@@ -176,6 +210,30 @@ mod tests {
         assert_eq!(q.remaining(t, 0.0, SPT), 800);
         // 50 ms later, 100 tokens of the head are done, and only those.
         assert_eq!(q.remaining(t + Duration::from_millis(50), 0.0, SPT), 700);
+    }
+
+    #[test]
+    fn unstreamed_requests_settle_after_twice_their_predicted_prefill() {
+        // Two unstreamed 1,000-token requests sent together: their first bytes are their whole
+        // answers, seconds of decode later. Predicted prefills: 0.5 s and 1 s, so they are
+        // taken as done 1 s and 2 s after sending.
+        let (marked, plain) = (PrefillQueue::default(), PrefillQueue::default());
+        let t0 = Instant::now();
+        for q in [&marked, &plain] {
+            let (a, _) = q.add(1_000, Arc::from(vec![7]), t0, 0.0, SPT);
+            let (b, _) = q.add(1_000, none(), t0, 0.0, SPT);
+            if std::ptr::eq(q, &marked) {
+                q.unstreamed(a, 0.0, SPT);
+                q.unstreamed(b, 0.0, SPT);
+            }
+        }
+        // At 1.5 s the replica has done both (2,000 tokens in 1 s); unmarked, the second stays
+        // in front of every request until the first one's whole answer is back.
+        let t = t0 + Duration::from_millis(1_500);
+        assert_eq!(marked.add(400, none(), t, 0.0, SPT).1, 0);
+        assert_eq!(plain.add(400, none(), t, 0.0, SPT).1, 1_000);
+        // Settled or not, they are outstanding until answered.
+        assert_eq!(marked.outstanding(), 2_400);
     }
 
     #[test]

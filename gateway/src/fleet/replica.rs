@@ -236,11 +236,13 @@ impl ReplicaHandle {
     pub fn speed(&self) -> SpeedView {
         let batch = self.load().requests() + 1;
         let m = self.model.lock();
-        let (overhead_s, seconds_per_token) = m.ttft_coefficients();
+        let plane = m.ttft_plane();
+        let (overhead_s, seconds_per_token) = (plane.overhead_s, plane.seconds_per_token);
         let chunk = self.chunk_tokens.load(Ordering::Relaxed);
         SpeedView {
             overhead_s,
             seconds_per_token,
+            seconds_per_attention: plane.seconds_per_attention,
             queued_prefill_tokens: self.prefill.remaining(
                 Instant::now(),
                 overhead_s,

@@ -126,14 +126,13 @@ impl Admitter<'_> {
             .iter()
             .filter_map(|&i| replicas.get(i).filter(|r| r.is_healthy()))
             .map(|r| {
-                r.model
-                    .lock()
-                    .predict_ttft(
-                        0,
-                        self.placer
-                            .prefix
-                            .uncached(p.prompt_tokens, matched, r.slot),
-                    )
+                let uncached = self
+                    .placer
+                    .prefix
+                    .uncached(p.prompt_tokens, matched, r.slot);
+                let cached = (p.prompt_tokens as u64).saturating_sub(uncached);
+                (r.model.lock())
+                    .predict_ttft(0, uncached, cached)
                     .unwrap_or(Duration::ZERO)
             })
             .min()

@@ -92,6 +92,7 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
                     "queued_prefill_tokens": r.speed.queued_prefill_tokens,
                     "prefill_tokens_per_s": 1.0 / r.speed.seconds_per_token,
                     "overhead_s": r.speed.overhead_s,
+                    "seconds_per_attention_unit": r.speed.seconds_per_attention,
                     "decode_step_s": r.speed.decode_step_s,
                     "current_step_s": r.speed.current_step_s,
                     "chunk_tokens": r.speed.chunk_tokens,

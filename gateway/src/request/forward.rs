@@ -22,6 +22,7 @@ use protocol::ApiError;
 use crate::access_log::AccessRecord;
 use crate::fleet::client::UpstreamLimits;
 use crate::fleet::guards::{InFlight, PendingPrefill};
+use crate::fleet::latency_model::Prefill;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::ReplicaHandle;
 use crate::http::session::{client_gone, is_http10, respond_error};
@@ -364,6 +365,9 @@ impl Forwarder<'_> {
                     PendingPrefill::new(replica.clone(), uncached_tokens, p.hashes.clone())
                 }
             };
+            if !p.stream {
+                pending.unstreamed();
+            }
             let sent_at = Instant::now();
             let mut at = Attempt {
                 session,
@@ -431,8 +435,11 @@ impl Forwarder<'_> {
                 hits,
                 started,
                 sent_at,
-                uncached_tokens,
-                ahead_tokens,
+                prefill: Prefill {
+                    ahead: ahead_tokens,
+                    tokens: uncached_tokens,
+                    cached: (p.prompt_tokens as u64).saturating_sub(uncached_tokens),
+                },
                 pending,
                 admitted: &admitted,
                 http10: is_http10(session),

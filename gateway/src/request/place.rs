@@ -235,10 +235,12 @@ impl Placer<'_> {
                     continue;
                 };
                 let pressure = registry.pressure(i, holdoff, p.prompt_tokens as u64);
+                let uncached = self.prefix.uncached(p.prompt_tokens, matched, i);
                 let verdict = admissible(
                     &r.model.lock(),
                     &pressure,
-                    self.prefix.uncached(p.prompt_tokens, matched, i),
+                    uncached,
+                    (p.prompt_tokens as u64).saturating_sub(uncached),
                     &slo,
                     a.file.kv_high_water,
                 );

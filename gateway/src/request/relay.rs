@@ -21,6 +21,7 @@ use serde_json::Value;
 use crate::access_log::AccessRecord;
 use crate::fleet::client::UpstreamLimits;
 use crate::fleet::guards::PendingPrefill;
+use crate::fleet::latency_model::Prefill;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::ReplicaHandle;
 use crate::metrics::GatewayMetrics;
@@ -57,9 +58,8 @@ pub struct RelayCtx<'a> {
     pub started: Instant,
     /// When it was sent to the replica.
     pub sent_at: Instant,
-    pub uncached_tokens: u64,
-    /// Uncached prefill already queued at the replica when this one was sent.
-    pub ahead_tokens: u64,
+    /// The prefill in front of its first token there.
+    pub prefill: Prefill,
     pub pending: PendingPrefill,
     pub admitted: &'a Admitted,
     /// The client spoke HTTP/1.0 (no chunked encoding).
@@ -132,8 +132,8 @@ impl Relay<'_> {
 
     /// Teaches the TTFT fit from an unstreamed answer (else such traffic is priced from the prior
     /// forever, issue 29): its time from sending less its other tokens' decode at the learnt step,
-    /// only while that decode is at most half the time — a step e off then moves the estimate at
-    /// most e (255 tokens at a step 10% off would be seconds off). Returns the estimate.
+    /// only while that decode is at most a quarter of the time — a step e off then moves the
+    /// estimate at most e/3 (a half let a step 2× off in front of vLLM teach 7.8 s for 0.5 s).
     fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) -> Option<Duration> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
@@ -142,8 +142,8 @@ impl Relay<'_> {
             0 | 1 => Duration::ZERO,
             n => model.predict_itl(batch)?.mul_f64((n - 1) as f64),
         };
-        let prefill = total.checked_sub(decode).filter(|&p| p >= total / 2)?;
-        model.observe_ttft(ctx.ahead_tokens, ctx.uncached_tokens, prefill);
+        let prefill = total.checked_sub(decode).filter(|&p| p >= total * 3 / 4)?;
+        model.observe_ttft(ctx.prefill, prefill);
         Some(prefill)
     }
 
@@ -351,11 +351,8 @@ impl Relay<'_> {
                         ctx.pending.done();
                         outcome.ttft = Some(now - ctx.started);
                         stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
-                        ctx.replica.model.lock().observe_ttft(
-                            ctx.ahead_tokens,
-                            ctx.uncached_tokens,
-                            now - ctx.sent_at,
-                        );
+                        let ttft = now - ctx.sent_at;
+                        ctx.replica.model.lock().observe_ttft(ctx.prefill, ttft);
                         Self::score_prediction(ctx, Some(now - ctx.sent_at), rec);
                     }
                     Some(prev) => {

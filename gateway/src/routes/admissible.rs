@@ -83,11 +83,13 @@ impl Hold {
     }
 }
 
-/// Whether a request with `tokens` uncached prompt tokens may be dispatched to a replica now.
+/// Whether a request with `tokens` uncached prompt tokens after `cached` cached ones may be
+/// dispatched to a replica now.
 pub fn admissible(
     model: &LatencyModel,
     p: &ReplicaPressure,
     tokens: u64,
+    cached: u64,
     slo: &Slo,
     kv_high_water: f64,
 ) -> Result<(), Hold> {
@@ -105,7 +107,7 @@ pub fn admissible(
     }
     if let (Some(target), Some(predicted)) = (
         slo.ttft,
-        model.predict_ttft(p.queued_prefill_tokens, tokens),
+        model.predict_ttft(p.queued_prefill_tokens, tokens, cached),
     ) {
         if predicted > target {
             return Err(Hold::Ttft { predicted });
@@ -121,9 +123,11 @@ pub fn admissible(
     // stall for every stream there; while the replica is already over budget it waits, and a
     // request that is mostly cached (a stall-free prefill) still goes.
     if let Some(target) = slo.itl {
-        let own_prefill = model.predict_ttft(0, tokens).map_or(Duration::ZERO, |t| {
-            t.saturating_sub(Duration::from_secs_f64(model.ttft_overhead()))
-        });
+        let own_prefill = model
+            .predict_ttft(0, tokens, cached)
+            .map_or(Duration::ZERO, |t| {
+                t.saturating_sub(Duration::from_secs_f64(model.ttft_overhead()))
+            });
         if own_prefill > target {
             if let Some(share) = model.stall_share(target) {
                 if share > STALL_BUDGET {

@@ -21,11 +21,11 @@ fn admits_under_the_slo() {
         kv_usage: 0.5,
         preempting: false,
     };
-    assert_eq!(admissible(&m, &p, 3_000, &slo(), 0.9), Ok(()));
+    assert_eq!(admissible(&m, &p, 3_000, 0, &slo(), 0.9), Ok(()));
     // A model with nothing learnt predicts from its prior (8k tokens/s): a busy replica
     // holds a prompt that would take minutes, an idle one takes anything.
     assert_eq!(
-        admissible(&LatencyModel::default(), &p, 1_000_000, &slo(), 0.9)
+        admissible(&LatencyModel::default(), &p, 1_000_000, 0, &slo(), 0.9)
             .unwrap_err()
             .label(),
         "ttft"
@@ -35,6 +35,7 @@ fn admits_under_the_slo() {
             &LatencyModel::default(),
             &ReplicaPressure::default(),
             1_000_000,
+            0,
             &slo(),
             0.9
         ),
@@ -49,14 +50,14 @@ fn a_long_prompt_after_many_short_ones_is_priced_from_the_prior() {
     let mut m = LatencyModel::default();
     m.set_prior(20_000.0, 0.02);
     for _ in 0..100 {
-        m.observe_ttft(0, 50, 25 * MS);
+        m.observe_ttft(crate::fleet::latency_model::tests::p(0, 50), 25 * MS);
     }
-    let six_k = m.predict_ttft(0, 6_000).unwrap();
+    let six_k = m.predict_ttft(0, 6_000, 0).unwrap();
     assert!(
         six_k > 250 * MS && six_k < 450 * MS,
         "a 6k prompt is ~0.3 s of prefill, not 3 s: {six_k:?}"
     );
-    let short = m.predict_ttft(0, 50).unwrap();
+    let short = m.predict_ttft(0, 50, 0).unwrap();
     assert!((short.as_secs_f64() - 0.025).abs() < 0.005, "{short:?}");
     // Busy, with 0.4 s of work queued: a 6k prompt still fits a 1 s promise.
     let busy = ReplicaPressure {
@@ -64,7 +65,7 @@ fn a_long_prompt_after_many_short_ones_is_priced_from_the_prior() {
         queued_prefill_tokens: 4_000,
         ..ReplicaPressure::default()
     };
-    assert_eq!(admissible(&m, &busy, 6_000, &slo(), 0.9), Ok(()));
+    assert_eq!(admissible(&m, &busy, 6_000, 0, &slo(), 0.9), Ok(()));
 }
 
 #[test]
@@ -87,11 +88,11 @@ fn a_cache_miss_waits_while_the_replicas_streams_stall_too_often() {
     // The decode step (30 ms) is far from the knee, but 8% of gaps stall: a 2,000-token
     // miss (0.5 s of prefill, one more stall) waits; a mostly cached turn (100 tokens,
     // 25 ms) goes.
-    match admissible(&m, &busy, 2_000, &slo, 0.9) {
+    match admissible(&m, &busy, 2_000, 0, &slo, 0.9) {
         Err(Hold::Stalls { share }) => assert!((share - 1.0 / 12.0).abs() < 0.01),
         other => panic!("{other:?}"),
     }
-    assert_eq!(admissible(&m, &busy, 100, &slo, 0.9), Ok(()));
+    assert_eq!(admissible(&m, &busy, 100, 0, &slo, 0.9), Ok(()));
     // At 3% stalls the same miss goes.
     let mut calm = LatencyModel::default();
     calm.set_prior(4_000.0, 0.02);
@@ -99,7 +100,7 @@ fn a_cache_miss_waits_while_the_replicas_streams_stall_too_often() {
         let gap = if i % 33 == 0 { 250 * MS } else { 30 * MS };
         calm.observe_itl(16, gap);
     }
-    assert_eq!(admissible(&calm, &busy, 2_000, &slo, 0.9), Ok(()));
+    assert_eq!(admissible(&calm, &busy, 2_000, 0, &slo, 0.9), Ok(()));
 }
 
 #[test]
@@ -110,7 +111,7 @@ fn holds_when_the_replica_is_at_its_predicted_knee() {
         running: 40,
         ..ReplicaPressure::default()
     };
-    match admissible(&m, &at_knee, 100, &slo(), 0.9) {
+    match admissible(&m, &at_knee, 100, 0, &slo(), 0.9) {
         Err(Hold::Itl { predicted }) => {
             assert!((predicted.as_secs_f64() - 0.05125).abs() < 1e-6)
         }
@@ -120,14 +121,14 @@ fn holds_when_the_replica_is_at_its_predicted_knee() {
         running: 30,
         ..ReplicaPressure::default()
     };
-    assert_eq!(admissible(&m, &below, 100, &slo(), 0.9), Ok(()));
+    assert_eq!(admissible(&m, &below, 100, 0, &slo(), 0.9), Ok(()));
     // Too much prefill queued ahead breaks the TTFT promise instead: (8k + 3k) / 10k = 1.1 s.
     let backed_up = ReplicaPressure {
         queued_prefill_tokens: 8_000,
         ..ReplicaPressure::default()
     };
     assert_eq!(
-        admissible(&m, &backed_up, 3_000, &slo(), 0.9)
+        admissible(&m, &backed_up, 3_000, 0, &slo(), 0.9)
             .unwrap_err()
             .label(),
         "ttft"
@@ -143,7 +144,7 @@ fn leading_indicators_cut_admission_off() {
         ..ReplicaPressure::default()
     };
     assert_eq!(
-        admissible(&m, &preempting, 10, &slo(), 0.9),
+        admissible(&m, &preempting, 10, 0, &slo(), 0.9),
         Err(Hold::Preempting)
     );
     let full = ReplicaPressure {
@@ -152,7 +153,7 @@ fn leading_indicators_cut_admission_off() {
         ..ReplicaPressure::default()
     };
     assert_eq!(
-        admissible(&m, &full, 10, &slo(), 0.9),
+        admissible(&m, &full, 10, 0, &slo(), 0.9),
         Err(Hold::KvHighWater { usage: 0.95 })
     );
     // An idle replica takes a prompt that fills most of its cache.
@@ -160,5 +161,5 @@ fn leading_indicators_cut_admission_off() {
         kv_usage: 0.95,
         ..ReplicaPressure::default()
     };
-    assert_eq!(admissible(&m, &idle, 10, &slo(), 0.9), Ok(()));
+    assert_eq!(admissible(&m, &idle, 10, 0, &slo(), 0.9), Ok(()));
 }
