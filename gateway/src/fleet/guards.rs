@@ -36,12 +36,12 @@ impl PendingPrefill {
         )
     }
 
-    /// The request is unstreamed: no first byte will say when its prefill is done
-    /// ([`crate::fleet::prefill_queue::PrefillQueue::unstreamed`]).
-    pub fn unstreamed(&self) {
+    /// The request (`cached` prompt tokens before its own) is unstreamed: no first byte will
+    /// say when its prefill is done ([`crate::fleet::prefill_queue::PrefillQueue::unstreamed`]).
+    pub fn unstreamed(&self, cached: u64) {
         if let Some(id) = self.id {
-            let (overhead_s, seconds_per_token) = self.replica.model.lock().ttft_coefficients();
-            (self.replica.prefill).unstreamed(id, overhead_s, seconds_per_token);
+            let fit = self.replica.model.lock().ttft_plane();
+            self.replica.prefill.unstreamed(id, cached, &fit);
         }
     }
 

@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::fleet::ttft_fit::TtftCoefficients;
+
 /// One unanswered request.
 #[derive(Debug)]
 struct Entry {
@@ -116,17 +118,17 @@ impl PrefillQueue {
         (id, ahead)
     }
 
-    /// Request `id` will not be answered by a first byte of its own (it is unstreamed): its
-    /// prefill is taken as done once twice its predicted time to first token has passed since
-    /// it was sent — the prefill ahead of it and its own, after `overhead_s`, at
-    /// `seconds_per_token`. Without it an unstreamed request stayed in the queue through its
-    /// whole decode, and the requests after it were priced behind prefill long done (in front
-    /// of vLLM, predictions of 1.8 s for TTFTs of 0.65 s: BENCHMARKS, issue 29).
-    pub fn unstreamed(&self, id: u64, overhead_s: f64, seconds_per_token: f64) {
+    /// Request `id` (its prompt's `cached` tokens before its own) will not be answered by a
+    /// first byte of its own (it is unstreamed): its prefill is taken as done once twice its
+    /// predicted time to first token by `fit` has passed since it was sent. Without it an
+    /// unstreamed request stayed in the queue through its whole decode, and the requests
+    /// after it were priced behind prefill long done (in front of vLLM, predictions of 1.8 s
+    /// for TTFTs of 0.65 s: BENCHMARKS, issue 29).
+    pub fn unstreamed(&self, id: u64, cached: u64, fit: &TtftCoefficients) {
         let mut q = self.queue.lock();
         if let Some(e) = q.waiting.iter_mut().find(|e| e.id == id) {
-            let predicted = overhead_s + (e.ahead + e.tokens) as f64 * seconds_per_token;
-            e.settles = Some(e.sent + std::time::Duration::from_secs_f64(2.0 * predicted.max(0.0)));
+            let predicted = fit.predict(e.ahead, e.tokens, cached).max(0.0);
+            e.settles = Some(e.sent + std::time::Duration::from_secs_f64(2.0 * predicted));
         }
     }
 
@@ -141,13 +143,17 @@ impl PrefillQueue {
             .any(|e| e.live(now) && e.blocks.get(k) == Some(&hash))
     }
 
-    /// Request `id` was answered (first byte) or abandoned at `now`.
+    /// Request `id` was answered (first byte) or abandoned at `now`. An unstreamed request
+    /// answered after it settled says nothing of the prefill now in progress: the head's
+    /// credit does not restart.
     pub fn done(&self, id: u64, now: Instant) {
         let mut q = self.queue.lock();
         if let Some(i) = q.waiting.iter().position(|e| e.id == id) {
             let e = q.waiting.remove(i).expect("position is in range");
             self.outstanding.fetch_sub(e.tokens, Ordering::Relaxed);
-            q.last_answer = Some(now);
+            if e.live(now) {
+                q.last_answer = Some(now);
+            }
         }
     }
 }
@@ -161,6 +167,15 @@ mod tests {
 
     fn none() -> Arc<[u64]> {
         Arc::from(Vec::new())
+    }
+
+    /// The fit of a 2,000 tokens/s replica with no overhead and no attention cost.
+    fn fit() -> TtftCoefficients {
+        TtftCoefficients {
+            overhead_s: 0.0,
+            seconds_per_token: SPT,
+            seconds_per_attention: 0.0,
+        }
     }
 
     #[test]
@@ -223,8 +238,8 @@ mod tests {
             let (a, _) = q.add(1_000, Arc::from(vec![7]), t0, 0.0, SPT);
             let (b, _) = q.add(1_000, none(), t0, 0.0, SPT);
             if std::ptr::eq(q, &marked) {
-                q.unstreamed(a, 0.0, SPT);
-                q.unstreamed(b, 0.0, SPT);
+                q.unstreamed(a, 0, &fit());
+                q.unstreamed(b, 0, &fit());
             }
         }
         // At 1.5 s the replica has done both (2,000 tokens in 1 s); unmarked, the second stays
@@ -232,8 +247,17 @@ mod tests {
         let t = t0 + Duration::from_millis(1_500);
         assert_eq!(marked.add(400, none(), t, 0.0, SPT).1, 0);
         assert_eq!(plain.add(400, none(), t, 0.0, SPT).1, 1_000);
-        // Settled or not, they are outstanding until answered.
+        // Settled or not, they are outstanding until answered; a settled one's answer does
+        // not restart the head's credit.
         assert_eq!(marked.outstanding(), 2_400);
+        let t9 = t0 + Duration::from_secs(9);
+        marked.done(0, t9);
+        assert_eq!(marked.outstanding(), 1_400);
+        assert_eq!(
+            marked.remaining(t9, 0.0, SPT),
+            0,
+            "the 400 were done long ago"
+        );
     }
 
     #[test]

@@ -366,7 +366,7 @@ impl Forwarder<'_> {
                 }
             };
             if !p.stream {
-                pending.unstreamed();
+                pending.unstreamed((p.prompt_tokens as u64).saturating_sub(uncached_tokens));
             }
             let sent_at = Instant::now();
             let mut at = Attempt {
