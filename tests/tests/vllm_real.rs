@@ -95,6 +95,16 @@ impl Engine {
         }
     }
 
+    /// Sends a chat request straight to the engine (around any gateway).
+    async fn chat(&self, client: &reqwest::Client, body: &Value) -> reqwest::Response {
+        client
+            .post(format!("{}/v1/chat/completions", self.base()))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
     fn base(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
@@ -182,12 +192,7 @@ async fn kvgate_routes_by_a_real_vllms_events() {
 
     // A prefix sent straight to engine 0 before the gateway exists: replay at join teaches it.
     let direct = body(&system, "Where is parcel 1?", false, 2);
-    let r = client
-        .post(format!("{}/v1/chat/completions", engines[0].base()))
-        .json(&direct)
-        .send()
-        .await
-        .unwrap();
+    let r = engines[0].chat(&client, &direct).await;
     assert_eq!(r.status(), 200);
     let specs: Vec<_> = engines.iter().map(Engine::spec).collect();
     let addrs: Vec<String> = specs.iter().map(|s| s.addr.clone()).collect();
@@ -264,7 +269,11 @@ async fn kvgate_routes_by_a_real_vllms_events() {
     let shown = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
-    assert!(shown >= 256 && shown % 256 == 0, "rounded: {}", v["usage"]);
+    assert!(
+        shown >= 256 && shown.is_multiple_of(256),
+        "rounded: {}",
+        v["usage"]
+    );
     assert_eq!(shown_blocks * 32, shown, "header and usage agree");
     drop(rounded);
 
@@ -294,12 +303,7 @@ async fn kvgate_routes_by_a_real_vllms_events() {
         false,
         1,
     );
-    let _ = client
-        .post(format!("{}/v1/chat/completions", engines[0].base()))
-        .json(&other)
-        .send()
-        .await
-        .unwrap();
+    let _ = engines[0].chat(&client, &other).await;
     let m = until_matched(&gw, &probe, |m| m[0] == 0).await;
     assert_eq!(m[0], 0, "cleared everywhere: {m:?}");
 
@@ -309,12 +313,7 @@ async fn kvgate_routes_by_a_real_vllms_events() {
     engines[1].spawn();
     engines[1].ready(&client).await;
     let fresh = body(&system, "Where is parcel 30?", false, 2);
-    let r = client
-        .post(format!("{}/v1/chat/completions", engines[1].base()))
-        .json(&fresh)
-        .send()
-        .await
-        .unwrap();
+    let r = engines[1].chat(&client, &fresh).await;
     assert_eq!(r.status(), 200);
     let m = until_matched(&gw, &probe, |m| m[1] > 0).await;
     assert!(
@@ -329,12 +328,7 @@ async fn kvgate_routes_by_a_real_vllms_events() {
     let mut sent = 0;
     for i in 0.. {
         let b = body(&format!("Ledger {i}. {filler}"), "Sum it up.", false, 1);
-        let r = client
-            .post(format!("{}/v1/chat/completions", engines[1].base()))
-            .json(&b)
-            .send()
-            .await
-            .unwrap();
+        let r = engines[1].chat(&client, &b).await;
         assert_eq!(r.status(), 200);
         let v: Value = r.json().await.unwrap();
         sent += v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;

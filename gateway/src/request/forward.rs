@@ -365,8 +365,9 @@ impl Forwarder<'_> {
                     PendingPrefill::new(replica.clone(), uncached_tokens, p.hashes.clone())
                 }
             };
+            let cached_tokens = (p.prompt_tokens as u64).saturating_sub(uncached_tokens);
             if !p.stream {
-                pending.unstreamed((p.prompt_tokens as u64).saturating_sub(uncached_tokens));
+                pending.unstreamed(cached_tokens);
             }
             let sent_at = Instant::now();
             let mut at = Attempt {
@@ -438,7 +439,7 @@ impl Forwarder<'_> {
                 prefill: Prefill {
                     ahead: ahead_tokens,
                     tokens: uncached_tokens,
-                    cached: (p.prompt_tokens as u64).saturating_sub(uncached_tokens),
+                    cached: cached_tokens,
                 },
                 pending,
                 admitted: &admitted,
