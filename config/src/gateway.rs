@@ -338,6 +338,9 @@ pub struct GatewayConfig {
     /// Fleet membership from DNS: one replica per address a name resolves to.
     #[serde(default)]
     pub discovery: DiscoveryConfig,
+    /// The other gateways of the fleet: one admission budget across them (`crate::peers`).
+    #[serde(default)]
+    pub peers: crate::peers::PeersConfig,
     /// Replicas given as tables in `replicas` (`{ addr, backend, kv_events, kv_replay }`):
     /// their engine and where it publishes KV events. The table's `addr` is in `replicas`.
     #[serde(skip)]
@@ -507,6 +510,7 @@ impl GatewayConfig {
             admin_listen: default_admin_listen(),
             replicas: replicas.iter().map(|r| normalize_replica(r)).collect(),
             discovery: DiscoveryConfig::default(),
+            peers: crate::peers::PeersConfig::default(),
             engines: Vec::new(),
             session_header: default_session_header(),
             model: ModelConfig::default(),

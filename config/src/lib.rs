@@ -7,6 +7,7 @@ pub mod api_keys;
 pub mod error;
 pub mod fleet;
 pub mod gateway;
+pub mod peers;
 pub mod policy;
 pub mod routes;
 

@@ -2,7 +2,9 @@
 //! `GET /admin/replicas` (each replica's state and what the gateway learnt of it),
 //! `PUT /admin/replicas` and `POST /admin/replicas/reload` (the fleet, through
 //! `membership.rs`), `GET /admin/policy` and `POST /admin/policy/reload`, and
-//! `POST /admin/route/explain` (a dry run of the request path, `request/explain.rs`).
+//! `POST /admin/route/explain` (a dry run of the request path, `request/explain.rs`),
+//! `GET /admin/budget` (this gateway's use of the admission budget, read by its peers) and
+//! `GET /admin/peers` (what it heard from them, `peers.rs`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,6 +19,7 @@ use protocol::ApiError;
 
 use crate::http::auth::check_bearer;
 use crate::membership::MembershipError;
+use crate::peers::own_report;
 use crate::request::classify;
 use crate::request::explain::explain;
 use crate::request::prepared::{Caller, Endpoint, PromptLimits};
@@ -154,6 +157,15 @@ pub async fn admin_handle(
                 .collect();
             json(200, serde_json::Value::Array(v).to_string())
         }
+        ("GET", "/admin/budget") => json(
+            200,
+            serde_json::to_string(&own_report(&state.peers.id, &state.policies, &state.fleet))
+                .unwrap_or_default(),
+        ),
+        ("GET", "/admin/peers") => json(
+            200,
+            state.peers.describe(std::time::Instant::now()).to_string(),
+        ),
         ("GET", "/admin/policy") => json(200, state.policies.describe(&names(&state)).to_string()),
         ("PUT", "/admin/replicas") => put_replicas(&state, req).await,
         ("POST", "/admin/replicas/reload") => match state.membership().reload_replicas(true) {

@@ -10,7 +10,7 @@
 //!   engines' KV events;
 //! - [`state`] — the composition root that owns the parts and hands each stage its share;
 //!   [`server`] wires them and serves; [`admin`] is the admin API; [`membership`] changes the
-//!   fleet at run time.
+//!   fleet at run time; [`peers`] shares the admission budget with the fleet's other gateways.
 //!
 //! `docs/DESIGN.md` opens with a map from each request-path decision to the file that makes it.
 #![forbid(unsafe_code)]
@@ -23,6 +23,7 @@ pub mod http;
 pub mod lifecycle;
 pub mod membership;
 pub mod metrics;
+pub mod peers;
 pub mod prefix;
 pub mod request;
 pub mod routes;

@@ -255,6 +255,13 @@ impl GatewayMetrics {
         self.recorder.register_gauge(&Key::from_name(name), &META)
     }
 
+    /// A gauge with fixed, bounded labels.
+    pub fn gauge_with(&self, name: &'static str, labels: &[(&'static str, &'static str)]) -> Gauge {
+        let labels: Vec<Label> = labels.iter().map(|(k, v)| Label::new(*k, *v)).collect();
+        self.recorder
+            .register_gauge(&Key::from_parts(name, labels), &META)
+    }
+
     /// `kvgate_gateway_discovered_replicas{name}`: how many addresses a discovery name resolves
     /// to (names come from the gateway file, so the label is bounded).
     pub fn discovered(&self, name: &str) -> Gauge {

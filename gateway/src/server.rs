@@ -32,6 +32,7 @@ use crate::http::conn::{accept_loop, connection_budget, ConnMetrics, GuardedStre
 use crate::http::proxy::GatewayProxy;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;
+use crate::peers::{PeerPoller, Peers};
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::view::PrefixView;
 use crate::request::prepare::{Preparer, Tokenizers};
@@ -194,8 +195,10 @@ pub async fn build_gateway(
         },
         session_header: cfg.session_header.to_ascii_lowercase(),
         policies,
+        peers: Peers::new(cfg.peers.clone()),
     });
     spawn_policy_reloaders(&state);
+    spawn_peers(&state, &cfg.peers);
     spawn_discovery(&state);
     // Gauges that are cheaper to sample than to maintain.
     let weak = Arc::downgrade(&state);
@@ -283,6 +286,25 @@ fn load_policy(
 /// At start, slots are the list's order.
 fn listed(replicas: &[String]) -> Vec<(usize, String)> {
     replicas.iter().cloned().enumerate().collect()
+}
+
+/// Reads the peer gateways' use of the budget every `peers.every_ms` (`peers.rs`).
+fn spawn_peers(state: &Arc<GatewayState>, cfg: &config::peers::PeersConfig) {
+    if !state.peers.enabled() {
+        return;
+    }
+    let mut poller = PeerPoller::new(cfg, state.admin_token.as_deref(), &state.metrics);
+    let every = Duration::from_millis(cfg.every_ms);
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(s) = weak.upgrade() else { return };
+            poller.round(&s.peers, &s.policies, &s.fleet).await;
+        }
+    });
 }
 
 /// Reloads the policy file and the API key file when they change (checked every second) and

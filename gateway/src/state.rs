@@ -16,6 +16,7 @@ use crate::http::auth::ApiKeyStore;
 use crate::lifecycle::Lifecycle;
 use crate::membership::{GatewayFile, Membership};
 use crate::metrics::GatewayMetrics;
+use crate::peers::Peers;
 use crate::prefix::view::PrefixView;
 use crate::request::admit::Admitter;
 use crate::request::forward::Forwarder;
@@ -58,6 +59,8 @@ pub struct GatewayState {
     pub discovery: Discovery,
     /// The gateway file and the hash of its text last seen, for replica-list reloads.
     pub gateway_file: Option<GatewayFile>,
+    /// The fleet's other gateways, sharing the admission budget (`peers.rs`).
+    pub peers: Peers,
 }
 
 impl GatewayState {

@@ -61,6 +61,7 @@ impl GatewayConfig {
             self.discovery.every_s,
             "must be between 1 and 3600 seconds",
         );
+        self.peers.check(&mut v);
         v.check(
             self.model.max_model_len != Some(0),
             "model.max_model_len",

@@ -2,7 +2,7 @@
 //! ahead, KV usage projected past the last load report, and whether it preempted recently.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::fleet::registry::Registry;
 
@@ -45,11 +45,8 @@ impl Registry {
         };
         ReplicaPressure {
             running: l.requests(),
-            queued_prefill_tokens: {
-                let (overhead_s, seconds_per_token) = r.model.lock().ttft_coefficients();
-                r.prefill
-                    .remaining(Instant::now(), overhead_s, seconds_per_token)
-            },
+            queued_prefill_tokens: r.own_prefill_remaining()
+                + r.peer_prefill.load(Ordering::Relaxed),
             kv_usage: projected,
             preempting: at > 0 && self.now_ms() + 1 < at + holdoff.as_millis() as u64,
         }

@@ -59,6 +59,9 @@ pub struct ReplicaHandle {
     /// Uncached prompt tokens of our requests sent here that have not shown a first byte, and
     /// how much of them the replica has likely done: the prefill ahead of the next one.
     pub(super) prefill: PrefillQueue,
+    /// Prefill the peer gateways sent here and have not seen done, as last heard
+    /// (`peers.rs`): admission counts it ahead of a new request.
+    pub peer_prefill: AtomicU64,
     /// The replica's preemption counter at the last poll (`u64::MAX` before the first).
     pub(super) preemptions: AtomicU64,
     /// Registry-clock milliseconds + 1 of the last poll that saw preemptions rise (0: never).
@@ -115,6 +118,7 @@ impl ReplicaHandle {
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
             prefill: PrefillQueue::default(),
+            peer_prefill: AtomicU64::new(0),
             preemptions: AtomicU64::new(u64::MAX),
             preempted_at_ms: AtomicU64::new(0),
             capacity_tokens: AtomicU64::new(0),
@@ -230,6 +234,14 @@ impl ReplicaHandle {
 }
 
 impl ReplicaHandle {
+    /// Prefill this gateway sent here that the replica has likely not done yet (what its peers
+    /// are told, `peers.rs`).
+    pub fn own_prefill_remaining(&self) -> u64 {
+        let (overhead_s, seconds_per_token) = self.model.lock().ttft_coefficients();
+        self.prefill
+            .remaining(Instant::now(), overhead_s, seconds_per_token)
+    }
+
     /// What placement knows of this replica's speed now: the learnt TTFT fit, the prefill
     /// queued ahead, the decode step with one more sequence and the one its streams see now,
     /// the chunk budget.
@@ -247,7 +259,7 @@ impl ReplicaHandle {
                 Instant::now(),
                 overhead_s,
                 seconds_per_token,
-            ),
+            ) + self.peer_prefill.load(Ordering::Relaxed),
             decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
             current_step_s: m.current_step().map(|d| d.as_secs_f64()),
             chunk_tokens: if chunk > 0 {

@@ -149,6 +149,10 @@ const GAUGES: &[(&str, &str)] = &[
         "1 while the gateway drains after SIGTERM",
     ),
     (
+        "kvgate_gateway_peers",
+        "Peer gateways sharing the admission budget, by state (live: heard within peers.stale_ms; stale: not, and no longer counted)",
+    ),
+    (
         "kvgate_gateway_prefix_index_blocks",
         "Blocks in the prefix index",
     ),

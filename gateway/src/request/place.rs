@@ -204,7 +204,11 @@ impl Placer<'_> {
         }
         let (cfg, rt) = (&route.cfg, &route.rt);
         let waited = purpose.waited();
-        if cfg.max_concurrency.is_some_and(|m| rt.in_flight() >= m) {
+        // The route's limits are the fleet's: this gateway's use plus its peers' (`peers.rs`).
+        if cfg
+            .max_concurrency
+            .is_some_and(|m| rt.fleet_in_flight() >= m)
+        {
             placement.outcome = Outcome::Hold {
                 reason: "concurrency",
                 blocking: true,
@@ -213,7 +217,7 @@ impl Placer<'_> {
         }
         // A single request larger than the whole budget still goes, alone.
         if cfg.max_prompt_tokens_in_flight.is_some_and(|b| {
-            rt.in_flight() > 0 && rt.in_flight_tokens() + p.prompt_tokens as u64 > b
+            rt.fleet_in_flight() > 0 && rt.fleet_in_flight_tokens() + p.prompt_tokens as u64 > b
         }) {
             placement.outcome = Outcome::Hold {
                 reason: "token_budget",

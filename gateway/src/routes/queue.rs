@@ -60,6 +60,9 @@ struct Waiter {
 /// Waiting requests of one route, in (priority, deadline) order, bounded.
 pub struct AdmissionQueue {
     capacity: AtomicUsize,
+    /// Places taken in this route's queues at the peer gateways (the capacity is the
+    /// fleet's), as last heard.
+    others: AtomicUsize,
     next: AtomicU64,
     entries: Mutex<BTreeMap<(i32, Duration, Ticket), Waiter>>,
 }
@@ -68,6 +71,7 @@ impl AdmissionQueue {
     pub fn new(capacity: usize) -> Self {
         AdmissionQueue {
             capacity: AtomicUsize::new(capacity),
+            others: AtomicUsize::new(0),
             next: AtomicU64::new(0),
             entries: Mutex::new(BTreeMap::new()),
         }
@@ -86,9 +90,15 @@ impl AdmissionQueue {
         self.entries.lock().is_empty()
     }
 
-    /// A new waiter would be shed with `queue_full`.
+    /// Places taken at the peer gateways, as just heard.
+    pub fn set_others(&self, others: usize) {
+        self.others.store(others, Ordering::Relaxed);
+    }
+
+    /// A new waiter would be shed with `queue_full`: the fleet's places (this queue's and
+    /// the peers') are all taken.
     pub fn is_full(&self) -> bool {
-        self.len() >= self.capacity.load(Ordering::Relaxed)
+        self.len() + self.others.load(Ordering::Relaxed) >= self.capacity.load(Ordering::Relaxed)
     }
 
     /// Prompt tokens waiting in the queue.
@@ -114,7 +124,7 @@ impl AdmissionQueue {
         tokens: u64,
         fleet_prefill_rate: Option<f64>,
     ) -> Result<Ticket, Shed> {
-        if self.len() >= self.capacity.load(Ordering::Relaxed) {
+        if self.is_full() {
             return Err(Shed::QueueFull {
                 retry_after: self.retry_after(fleet_prefill_rate),
             });

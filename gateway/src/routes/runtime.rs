@@ -11,6 +11,7 @@ use tokio::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::metrics::GatewayMetrics;
+use crate::peers::RouteUse;
 use crate::routes::goodput::RouteStats;
 use crate::routes::queue::AdmissionQueue;
 
@@ -20,6 +21,10 @@ pub struct RouteRuntime {
     pub queue: AdmissionQueue,
     pub(crate) in_flight: AtomicU32,
     pub(crate) in_flight_tokens: AtomicU64,
+    /// The route's use at the peer gateways, as last heard (`peers.rs`): requests and prompt
+    /// tokens in flight (their queued requests are the queue's `others`).
+    peer_in_flight: AtomicU32,
+    peer_tokens: AtomicU64,
     pub(crate) notify: Notify,
     pub stats: RouteStats,
     clock: SystemClock,
@@ -32,6 +37,8 @@ impl RouteRuntime {
             queue: AdmissionQueue::new(0),
             in_flight: AtomicU32::new(0),
             in_flight_tokens: AtomicU64::new(0),
+            peer_in_flight: AtomicU32::new(0),
+            peer_tokens: AtomicU64::new(0),
             notify: Notify::new(),
             stats: RouteStats::new(&metrics, name),
             clock: SystemClock::default(),
@@ -44,6 +51,28 @@ impl RouteRuntime {
 
     pub fn in_flight_tokens(&self) -> u64 {
         self.in_flight_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Requests in flight on this route at every gateway of the fleet (this one's own count
+    /// plus its peers' as last heard): what `max_concurrency` is checked against.
+    pub fn fleet_in_flight(&self) -> u32 {
+        self.in_flight() + self.peer_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens in flight on this route fleet-wide (`max_prompt_tokens_in_flight`).
+    pub fn fleet_in_flight_tokens(&self) -> u64 {
+        self.in_flight_tokens() + self.peer_tokens.load(Ordering::Relaxed)
+    }
+
+    /// The route's use at the peers, as just heard; waiters are woken when it fell (room
+    /// opened at another gateway).
+    pub fn set_peer_use(&self, u: RouteUse) {
+        let before = self.peer_in_flight.swap(u.in_flight, Ordering::Relaxed);
+        let tokens_before = self.peer_tokens.swap(u.tokens, Ordering::Relaxed);
+        self.queue.set_others(u.queued as usize);
+        if u.in_flight < before || u.tokens < tokens_before {
+            self.wake();
+        }
     }
 
     pub fn now(&self) -> Duration {

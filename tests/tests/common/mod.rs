@@ -259,6 +259,17 @@ pub async fn start_gateway_at(
     addrs: &[String],
     adjust: impl FnOnce(&mut config::GatewayConfig),
 ) -> Gateway {
+    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    start_gateway_with_admin(addrs, admin, adjust).await
+}
+
+/// [`start_gateway_at`] on an admin listener bound beforehand (gateways that name each
+/// other as peers need each other's admin address before either starts).
+pub async fn start_gateway_with_admin(
+    addrs: &[String],
+    admin: TcpListener,
+    adjust: impl FnOnce(&mut config::GatewayConfig),
+) -> Gateway {
     let mut cfg = config::GatewayConfig::with_replicas(addrs.to_vec());
     cfg.model.tokenizer_dir = Some(tokenizer_dir().display().to_string());
     cfg.health.interval_ms = 100;
@@ -268,7 +279,6 @@ pub async fn start_gateway_at(
     adjust(&mut cfg);
     cfg.validate().unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let server = gateway::build_gateway(cfg, listener, admin).await.unwrap();
     let base = format!("http://{}", server.local_addr());
     let admin = format!("http://{}", server.admin_addr());
