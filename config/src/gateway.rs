@@ -341,6 +341,9 @@ pub struct GatewayConfig {
     /// The other gateways of the fleet: one admission budget across them (`crate::peers`).
     #[serde(default)]
     pub peers: crate::peers::PeersConfig,
+    /// What the replicas cost: the live cost-per-million-tokens gauge (`crate::cost`).
+    #[serde(default)]
+    pub cost: crate::cost::CostConfig,
     /// Replicas given as tables in `replicas` (`{ addr, backend, kv_events, kv_replay }`):
     /// their engine and where it publishes KV events. The table's `addr` is in `replicas`.
     #[serde(skip)]
@@ -511,6 +514,7 @@ impl GatewayConfig {
             replicas: replicas.iter().map(|r| normalize_replica(r)).collect(),
             discovery: DiscoveryConfig::default(),
             peers: crate::peers::PeersConfig::default(),
+            cost: crate::cost::CostConfig::default(),
             engines: Vec::new(),
             session_header: default_session_header(),
             model: ModelConfig::default(),

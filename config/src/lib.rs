@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api_keys;
+pub mod cost;
 pub mod error;
 pub mod fleet;
 pub mod gateway;

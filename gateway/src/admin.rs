@@ -144,6 +144,9 @@ pub async fn admin_handle(
                         "waiting": l.waiting,
                         "running": l.running,
                         "kv_usage": l.kv_usage,
+                        "generation_tokens_per_s": r
+                            .throughput
+                            .tokens_per_s(std::time::Instant::now(), Duration::from_secs(60)),
                         "learnt": {
                             "prefill_tokens_per_s": model.prefill_rate(),
                             "ttft_overhead_ms": model.ttft_overhead() * 1e3,

@@ -301,6 +301,17 @@ impl GatewayMetrics {
             .register_counter(&Self::route_key(name, route, extra), &META)
     }
 
+    /// A gauge labelled with a route and fixed, bounded labels.
+    pub fn route_gauge_with(
+        &self,
+        name: &'static str,
+        route: &str,
+        extra: &[(&'static str, &'static str)],
+    ) -> Gauge {
+        self.recorder
+            .register_gauge(&Self::route_key(name, route, extra), &META)
+    }
+
     pub fn route_gauge(&self, name: &'static str, route: &str) -> Gauge {
         self.recorder
             .register_gauge(&Self::route_key(name, route, &[]), &META)

@@ -37,6 +37,7 @@ use crate::prefix::index::PrefixIndex;
 use crate::prefix::view::PrefixView;
 use crate::request::prepare::{Preparer, Tokenizers};
 use crate::request::tokenizer_pool::PoolLimits;
+use crate::routes::fleet_gauges::FleetGauges;
 use crate::routes::store::PolicyStore;
 use crate::state::GatewayState;
 
@@ -201,6 +202,7 @@ pub async fn build_gateway(
     spawn_peers(&state, &cfg.peers);
     spawn_discovery(&state);
     // Gauges that are cheaper to sample than to maintain.
+    let fleet_gauges = FleetGauges::new(cfg.cost.clone(), &state.metrics);
     let weak = Arc::downgrade(&state);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -230,6 +232,7 @@ pub async fn build_gateway(
             for rt in s.policies.runtimes() {
                 rt.stats.tick(rt.now_s());
             }
+            fleet_gauges.update(&s.policies, &s.fleet, m);
             m.upkeep();
         }
     });

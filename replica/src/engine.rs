@@ -51,6 +51,9 @@ pub struct EngineStats {
     kv_usage_bits: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
+    /// Tokens generated since start (on `/get_load`, so a gateway measures the replica's
+    /// throughput whatever share of its traffic it sent).
+    pub generated: AtomicU64,
 }
 
 impl EngineStats {
@@ -461,6 +464,9 @@ impl Engine {
         self.metrics
             .generation_tokens
             .increment(result.sampled.len() as u64);
+        self.stats
+            .generated
+            .fetch_add(result.sampled.len() as u64, Ordering::Relaxed);
         let elapsed = now - self.window_start;
         if elapsed >= Duration::from_secs(1) {
             self.metrics

@@ -226,6 +226,7 @@ pub fn get_load(state: &AppState) -> Response<Body> {
             "max_total_num_tokens": state.engine.limits().num_blocks * state.engine.limits().block_size,
             "kv_cache_usage": s.kv_usage(),
             "preemptions": s.preemptions.load(Relaxed),
+            "generation_tokens": s.generated.load(Relaxed),
         }]),
     )
 }

@@ -62,6 +62,7 @@ impl GatewayConfig {
             "must be between 1 and 3600 seconds",
         );
         self.peers.check(&mut v);
+        self.cost.check(&mut v);
         v.check(
             self.model.max_model_len != Some(0),
             "model.max_model_len",

@@ -3,7 +3,8 @@
 //! against vLLM's `vllm/v1/metrics/loggers.py` (main branch): `vllm:num_requests_running`,
 //! `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 0–1; older releases
 //! call it `vllm:gpu_cache_usage_perc`) and `vllm:num_preemptions_total`. Counts are summed
-//! over their labels (one series per engine of a data-parallel server); the cache usage is
+//! over their labels (one series per engine of a data-parallel server), as is
+//! `vllm:generation_tokens_total` (the throughput the cost gauge is priced on); the cache usage is
 //! the fullest engine's. SGLang serves `/get_load`
 //! itself, which the gateway reads as it reads a kvgate replica's.
 
@@ -16,6 +17,8 @@ pub struct EngineLoad {
     pub preemptions: Option<u64>,
     /// The KV cache's size in blocks (`vllm:cache_config_info`'s `num_gpu_blocks` label).
     pub num_gpu_blocks: Option<u64>,
+    /// Tokens generated since start (`vllm:generation_tokens_total`).
+    pub generation_tokens: Option<u64>,
 }
 
 /// The value of `label` on the first sample of `name`.
@@ -80,6 +83,7 @@ pub fn parse_vllm(text: &str) -> Option<EngineLoad> {
         preemptions: sum(text, "vllm:num_preemptions_total").map(|p| p as u64),
         num_gpu_blocks: label_of(text, "vllm:cache_config_info", "num_gpu_blocks")
             .and_then(|v| v.parse().ok()),
+        generation_tokens: sum(text, "vllm:generation_tokens_total").map(|t| t as u64),
     })
 }
 
@@ -99,6 +103,9 @@ vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.41
 vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-8B"} 0.2
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 12.0
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 1500.0
+vllm:generation_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} 500.0
 "#;
 
     #[test]
@@ -111,6 +118,7 @@ vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 12.0
         );
         assert!((l.kv_usage - 0.41).abs() < 1e-9);
         assert_eq!(l.preemptions, Some(12));
+        assert_eq!(l.generation_tokens, Some(2000));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! yet answered), how loaded ([`pressure`]), where they come from ([`discovery`]), how the
 //! gateway talks to them ([`client`]), what a request holds there while it runs
 //! ([`guards`]), which answer unusably ([`outlier`]), and whose prompt token counts differ
-//! from the gateway's ([`prompt_check`]: a drifted tokenizer or chat template). Their KV event
+//! from the gateway's ([`prompt_check`]: a drifted tokenizer or chat template), how many tokens
+//! they generate per second ([`throughput`], for the cost gauge). Their KV event
 //! streams are followed here ([`events`], [`tasks`]) and written into the prefix index
 //! (`prefix/`).
 
@@ -24,4 +25,5 @@ pub mod prompt_check;
 pub mod registry;
 pub mod replica;
 pub mod tasks;
+pub mod throughput;
 pub mod ttft_fit;

@@ -120,6 +120,9 @@ impl Registry {
             if let Some(p) = l.preemptions {
                 self.note_preemptions(r, p);
             }
+            if let Some(t) = l.generation_tokens {
+                r.throughput.sample(std::time::Instant::now(), t);
+            }
             r.finished_at_poll.store(finished_before, Ordering::Relaxed);
             return;
         }
@@ -147,6 +150,9 @@ impl Registry {
         }
         if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
             self.note_preemptions(r, p);
+        }
+        if let Some(t) = first.get("generation_tokens").and_then(|x| x.as_u64()) {
+            r.throughput.sample(std::time::Instant::now(), t);
         }
         r.finished_at_poll.store(finished_before, Ordering::Relaxed);
     }

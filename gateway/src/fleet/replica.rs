@@ -18,6 +18,7 @@ use crate::access_log::AccessRecord;
 use crate::fleet::latency_model::LatencyModel;
 use crate::fleet::prefill_queue::PrefillQueue;
 use crate::fleet::prompt_check::{PromptCheck, Verdict};
+use crate::fleet::throughput::Throughput;
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 
 pub struct ReplicaHandle {
@@ -90,6 +91,8 @@ pub struct ReplicaHandle {
     pub(super) ejections: tokio::sync::watch::Sender<u64>,
     /// Its prompt token counts against the gateway's (tokenizer / chat template drift).
     pub prompt_check: PromptCheck,
+    /// Its generated-token counter as polled: measured tokens per second.
+    pub throughput: Throughput,
 }
 
 impl ReplicaHandle {
@@ -132,6 +135,7 @@ impl ReplicaHandle {
             outlier_until_ms: AtomicU64::new(0),
             ejections: tokio::sync::watch::Sender::new(0),
             prompt_check: PromptCheck::default(),
+            throughput: Throughput::default(),
         }
     }
 

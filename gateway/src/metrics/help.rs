@@ -149,6 +149,26 @@ const GAUGES: &[(&str, &str)] = &[
         "1 while the gateway drains after SIGTERM",
     ),
     (
+        "kvgate_gateway_scale_signal",
+        "Autoscaling signal from leading indicators (the largest route's): scale out above 1.0",
+    ),
+    (
+        "kvgate_gateway_route_scale_signal",
+        "A route's autoscaling signal by part: queue (requests waiting in the gateways per healthy replica of the pool), kv (mean KV usage ÷ kv_high_water), ttft (mean predicted wait for a first token ÷ the promise), itl (mean predicted decode step with one more stream ÷ the promise); 1.0 is the knee",
+    ),
+    (
+        "kvgate_gateway_cost_per_mtok",
+        "USD per million generated tokens over a route's pool: the replica-hours' price ([cost]) ÷ the tokens the replicas' own counters measured over cost.window_s",
+    ),
+    (
+        "kvgate_gateway_fleet_cost_per_mtok",
+        "USD per million generated tokens over every priced, measured replica",
+    ),
+    (
+        "kvgate_gateway_managed_cost_per_mtok",
+        "A managed API's price per million output tokens ([cost] managed_usd_per_mtok), for comparison",
+    ),
+    (
         "kvgate_gateway_peers",
         "Peer gateways sharing the admission budget, by state (live: heard within peers.stale_ms; stale: not, and no longer counted)",
     ),

@@ -3,10 +3,12 @@
 //! route's live state (its [`queue`] of waiting requests, what it has in flight, its
 //! [`goodput`] accounting), kept across reloads; [`admitted`] is a dispatched request's share of
 //! its route's limits; [`admissible`] is the rule that says whether a replica can take a
-//! request and still keep the route's promise.
+//! request and still keep the route's promise; [`fleet_gauges`] turns the routes and their
+//! pools into the autoscaling signal and the live cost per million tokens.
 
 pub mod admissible;
 pub mod admitted;
+pub mod fleet_gauges;
 pub mod goodput;
 pub mod queue;
 pub mod runtime;

@@ -90,6 +90,11 @@ impl AdmissionQueue {
         self.entries.lock().is_empty()
     }
 
+    /// Places taken at the peer gateways, as last heard.
+    pub fn others(&self) -> usize {
+        self.others.load(Ordering::Relaxed)
+    }
+
     /// Places taken at the peer gateways, as just heard.
     pub fn set_others(&self, others: usize) {
         self.others.store(others, Ordering::Relaxed);

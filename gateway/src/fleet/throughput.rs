@@ -1,0 +1,70 @@
+//! A replica's measured throughput: its own generated-token counter (kvgate's `/get_load`,
+//! vLLM's `vllm:generation_tokens_total`), sampled at every load poll and turned into tokens
+//! per second over a sliding window. The replica's counter, not what this gateway relayed, so
+//! the figure is the replica's whole output however many gateways share it.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+/// Samples kept: at the default 250 ms poll, ten minutes.
+const MAX_SAMPLES: usize = 2400;
+
+/// `(when, counter)` samples of one replica's generated-token counter.
+#[derive(Debug, Default)]
+pub struct Throughput {
+    samples: Mutex<VecDeque<(Instant, u64)>>,
+}
+
+impl Throughput {
+    /// Records the counter read at `at`. A counter that went down (the replica restarted)
+    /// starts the window again.
+    pub fn sample(&self, at: Instant, total: u64) {
+        let mut s = self.samples.lock();
+        if s.back().is_some_and(|&(_, last)| total < last) {
+            s.clear();
+        }
+        s.push_back((at, total));
+        while s.len() > MAX_SAMPLES {
+            s.pop_front();
+        }
+    }
+
+    /// Tokens per second over the last `window` before `now` (from the oldest sample inside
+    /// it to the newest); `None` before two samples span at least a second.
+    pub fn tokens_per_s(&self, now: Instant, window: Duration) -> Option<f64> {
+        let s = self.samples.lock();
+        let &(t1, c1) = s.back()?;
+        let &(t0, c0) = s
+            .iter()
+            .find(|(t, _)| now.saturating_duration_since(*t) <= window)?;
+        let span = t1.saturating_duration_since(t0).as_secs_f64();
+        (span >= 1.0).then(|| (c1 - c0) as f64 / span)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_over_the_window_and_a_restart_starts_again() {
+        let t = Throughput::default();
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        t.sample(s(0), 0);
+        assert_eq!(t.tokens_per_s(s(0), Duration::from_secs(60)), None);
+        for i in 1..=100 {
+            t.sample(s(i), i * 50);
+        }
+        // The last 10 s: 50 tokens/s.
+        let r = t.tokens_per_s(s(100), Duration::from_secs(10)).unwrap();
+        assert!((r - 50.0).abs() < 1e-9, "{r}");
+        t.sample(s(101), 7);
+        assert_eq!(t.tokens_per_s(s(101), Duration::from_secs(60)), None);
+        t.sample(s(103), 207);
+        let r = t.tokens_per_s(s(103), Duration::from_secs(60)).unwrap();
+        assert!((r - 100.0).abs() < 1e-9, "{r}");
+    }
+}

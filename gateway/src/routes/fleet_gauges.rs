@@ -1,0 +1,170 @@
+//! The fleet's two live gauges, refreshed every second:
+//!
+//! - **The autoscaling signal** (`kvgate_gateway_scale_signal`; scale out above 1.0), from
+//!   leading indicators only — latency says trouble already arrived. Per route, the largest of:
+//!   requests waiting in the gateway (this one's and its peers') per healthy replica of the
+//!   pool; the pool's mean KV usage against the policy's `kv_high_water`; the pool's mean
+//!   predicted wait for a first token (the prefill queued ahead of a new request, at the
+//!   learnt rate) against the TTFT promise; and its mean predicted decode step with one more
+//!   stream against the inter-token promise — both promises with the admission headroom, as
+//!   admission itself reads them. Each part reaches 1.0 where the average replica of the pool
+//!   stops taking new work within the promise: the knee, before goodput falls. The fleet's
+//!   signal is the largest route's; each route's parts are exported too, so a scale-out says
+//!   why.
+//! - **Cost per million generated tokens** (`kvgate_gateway_cost_per_mtok{route}` over a
+//!   route's pool, `kvgate_gateway_fleet_cost_per_mtok` over every replica): the replica-hours'
+//!   price (`[cost]`) over the tokens the replicas generate in an hour at the throughput their
+//!   own counters measured over `cost.window_s` — the capacity note's formula, live. Replicas
+//!   that report no token counter (SGLang's `/get_load` has none) are left out of both sums.
+//!   `kvgate_gateway_managed_cost_per_mtok` carries the managed-API price beside it.
+
+use std::time::{Duration, Instant};
+
+use config::cost::CostConfig;
+
+use crate::fleet::registry::Registry;
+use crate::metrics::GatewayMetrics;
+use crate::routes::store::{ActivePolicy, ActiveRoute, PolicyStore};
+
+/// One route's autoscaling signal, part by part (each 1.0 at the pool's knee).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ScaleParts {
+    pub queue: f64,
+    pub kv: f64,
+    pub ttft: Option<f64>,
+    pub itl: Option<f64>,
+}
+
+impl ScaleParts {
+    pub fn signal(&self) -> f64 {
+        [Some(self.queue), Some(self.kv), self.ttft, self.itl]
+            .into_iter()
+            .flatten()
+            .fold(0.0, f64::max)
+    }
+}
+
+fn mean(xs: &[f64]) -> Option<f64> {
+    (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
+}
+
+/// `route`'s signal now.
+pub fn route_scale(a: &ActivePolicy, route: &ActiveRoute, fleet: &Registry) -> ScaleParts {
+    let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
+    let h = a.file.admission_headroom;
+    let ttft_target = route.slo.ttft.map(|t| t.as_secs_f64() * h);
+    let itl_target = route
+        .slo
+        .itl
+        .or_else(|| a.strictest_itl(&route.pool))
+        .map(|t| t.as_secs_f64() * h);
+    let (mut kv, mut ttft, mut itl) = (Vec::new(), Vec::new(), Vec::new());
+    for &i in &route.pool {
+        let Some(r) = fleet.replica(i).filter(|r| r.is_healthy()) else {
+            continue;
+        };
+        let p = fleet.pressure(i, holdoff, 0);
+        kv.push(p.kv_usage / a.file.kv_high_water.max(1e-9));
+        let m = r.model.lock();
+        if let (Some(t), Some(wait)) = (ttft_target, m.predict_ttft(p.queued_prefill_tokens, 1, 0))
+        {
+            ttft.push(wait.as_secs_f64() / t.max(1e-9));
+        }
+        if let (Some(t), Some(step)) = (itl_target, m.predict_itl(p.running + 1)) {
+            itl.push(step.as_secs_f64() / t.max(1e-9));
+        }
+    }
+    let waiting = route.rt.queue.len() + route.rt.queue.others();
+    ScaleParts {
+        // No healthy replica: every waiter is past the knee.
+        queue: waiting as f64 / kv.len().max(1) as f64,
+        kv: mean(&kv).unwrap_or(0.0),
+        ttft: mean(&ttft),
+        itl: mean(&itl),
+    }
+}
+
+/// Refreshes the autoscaling signal and the cost gauges.
+pub struct FleetGauges {
+    cost: CostConfig,
+}
+
+impl FleetGauges {
+    pub fn new(cost: CostConfig, metrics: &GatewayMetrics) -> Self {
+        if let Some(p) = cost.managed_usd_per_mtok {
+            metrics.gauge("kvgate_gateway_managed_cost_per_mtok").set(p);
+        }
+        FleetGauges { cost }
+    }
+
+    pub fn update(&self, policies: &PolicyStore, fleet: &Registry, metrics: &GatewayMetrics) {
+        let a = policies.load();
+        let mut fleet_signal: f64 = 0.0;
+        for route in &a.routes {
+            let parts = route_scale(&a, route, fleet);
+            let name = route.rt.name.as_str();
+            let g = |part: &'static str, v: f64| {
+                metrics
+                    .route_gauge_with("kvgate_gateway_route_scale_signal", name, &[("part", part)])
+                    .set(v)
+            };
+            g("queue", parts.queue);
+            g("kv", parts.kv);
+            g("ttft", parts.ttft.unwrap_or(0.0));
+            g("itl", parts.itl.unwrap_or(0.0));
+            fleet_signal = fleet_signal.max(parts.signal());
+        }
+        metrics
+            .gauge("kvgate_gateway_scale_signal")
+            .set(fleet_signal);
+        if self.cost.gpu_hour_usd.is_none() && self.cost.replica_hour_usd.is_empty() {
+            return;
+        }
+        let (now, window) = (Instant::now(), Duration::from_secs(self.cost.window_s));
+        // (price per hour, tokens/s) of each measured, priced, healthy replica, by slot.
+        let measured: Vec<Option<(f64, f64)>> = fleet
+            .replicas()
+            .iter()
+            .map(|r| {
+                if r.is_retired() || !r.is_healthy() {
+                    return None;
+                }
+                Some((
+                    self.cost.replica_hour(&r.name)?,
+                    r.throughput.tokens_per_s(now, window)?,
+                ))
+            })
+            .collect();
+        let price = |slots: &mut dyn Iterator<Item = usize>| {
+            let (usd, tps) = slots
+                .filter_map(|i| measured.get(i).copied().flatten())
+                .fold((0.0, 0.0), |(u, t), (pu, pt)| (u + pu, t + pt));
+            CostConfig::per_mtok(usd, tps).unwrap_or(f64::NAN)
+        };
+        for route in &a.routes {
+            metrics
+                .route_gauge("kvgate_gateway_cost_per_mtok", &route.rt.name)
+                .set(price(&mut route.pool.iter().copied()));
+        }
+        metrics
+            .gauge("kvgate_gateway_fleet_cost_per_mtok")
+            .set(price(&mut (0..measured.len())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_signal_is_its_largest_part() {
+        let p = ScaleParts {
+            queue: 0.2,
+            kv: 0.7,
+            ttft: Some(1.3),
+            itl: None,
+        };
+        assert_eq!(p.signal(), 1.3);
+        assert_eq!(ScaleParts::default().signal(), 0.0);
+    }
+}
