@@ -95,6 +95,35 @@ pub struct DiscoveryConfig {
     /// Seconds between resolutions.
     #[serde(default = "default_discovery_every")]
     pub every_s: u64,
+    /// The engine behind every discovered address (a StatefulSet of vLLM or SGLang pods).
+    #[serde(default)]
+    pub backend: Backend,
+    /// Port on each discovered host where the engine publishes KV events over ZMQ
+    /// (`tcp://host:PORT`); unset: a kvgate replica's events over HTTP, or none.
+    #[serde(default)]
+    pub kv_events_port: Option<u16>,
+    /// Port of its replay (ROUTER) socket; needs `kv_events_port`.
+    #[serde(default)]
+    pub kv_replay_port: Option<u16>,
+}
+
+impl DiscoveryConfig {
+    /// The engine table of a discovered `ip:port` (`None`: a plain kvgate replica).
+    pub fn engine_for(&self, addr: &str) -> Option<EngineSpec> {
+        if self.backend == Backend::Kvgate && self.kv_events_port.is_none() {
+            return None;
+        }
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+        Some(EngineSpec {
+            addr: addr.to_string(),
+            backend: self.backend,
+            kv_events: self.kv_events_port.map(|p| format!("tcp://{host}:{p}")),
+            kv_replay: self
+                .kv_replay_port
+                .filter(|_| self.kv_events_port.is_some())
+                .map(|p| format!("tcp://{host}:{p}")),
+        })
+    }
 }
 
 impl Default for DiscoveryConfig {
@@ -102,6 +131,9 @@ impl Default for DiscoveryConfig {
         DiscoveryConfig {
             dns: Vec::new(),
             every_s: default_discovery_every(),
+            backend: Backend::Kvgate,
+            kv_events_port: None,
+            kv_replay_port: None,
         }
     }
 }
@@ -162,4 +194,27 @@ pub fn replica_list(list: &[String]) -> Result<Vec<String>, ConfigError> {
     check_replicas(&list, &mut v);
     v.finish()?;
     Ok(list)
+}
+
+#[cfg(test)]
+mod discovery_tests {
+    use super::*;
+
+    #[test]
+    fn discovered_engines_get_their_event_endpoints_on_their_own_host() {
+        let plain = DiscoveryConfig::default();
+        assert_eq!(plain.engine_for("10.1.2.3:8000"), None);
+        let vllm = DiscoveryConfig {
+            backend: Backend::Vllm,
+            kv_events_port: Some(5557),
+            kv_replay_port: Some(5558),
+            ..DiscoveryConfig::default()
+        };
+        let e = vllm.engine_for("10.1.2.3:8000").unwrap();
+        assert_eq!(e.backend, Backend::Vllm);
+        assert_eq!(e.kv_events.as_deref(), Some("tcp://10.1.2.3:5557"));
+        assert_eq!(e.kv_replay.as_deref(), Some("tcp://10.1.2.3:5558"));
+        let v6 = vllm.engine_for("[fd00::7]:8000").unwrap();
+        assert_eq!(v6.kv_events.as_deref(), Some("tcp://[fd00::7]:5557"));
+    }
 }

@@ -256,6 +256,11 @@ pub struct IndexConfig {
     /// removes cannot grow the gateway's memory without bound.
     #[serde(default = "default_max_blocks")]
     pub max_blocks_per_replica: usize,
+    /// `/ready` answers 503 after start until every healthy replica's KV events are followed
+    /// (its cached blocks replayed into the index), for at most this many seconds: a gateway
+    /// restarted under load joins its peers only once it routes as well as they do.
+    #[serde(default = "default_ready_wait")]
+    pub ready_wait_s: u64,
 }
 
 impl Default for IndexConfig {
@@ -266,6 +271,7 @@ impl Default for IndexConfig {
             speculative_ttl_s: default_spec_ttl(),
             approx_capacity_blocks: default_approx_capacity(),
             max_blocks_per_replica: default_max_blocks(),
+            ready_wait_s: default_ready_wait(),
         }
     }
 }
@@ -401,6 +407,9 @@ fn default_successes() -> u32 {
 }
 fn default_true() -> bool {
     true
+}
+fn default_ready_wait() -> u64 {
+    30
 }
 fn default_approx_ttl() -> u32 {
     300

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{watch, Notify};
 
@@ -16,6 +16,8 @@ pub struct Lifecycle {
     idle: Notify,
     /// Flips to true at the drain deadline: whatever is still streaming is ended.
     abort: watch::Sender<bool>,
+    /// When the gateway was built (readiness waits for the index from then, `/ready`).
+    pub started: Instant,
 }
 
 impl Default for Lifecycle {
@@ -25,6 +27,7 @@ impl Default for Lifecycle {
             active: AtomicUsize::new(0),
             idle: Notify::new(),
             abort: watch::Sender::new(false),
+            started: Instant::now(),
         }
     }
 }

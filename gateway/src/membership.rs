@@ -121,6 +121,7 @@ impl Membership<'_> {
         }
         self.publish_discovered();
         if changed {
+            self.fleet.set_discovered_engines(&self.discovery.engines());
             if let Err(e) = self.apply_replicas(&self.discovery.fleet()) {
                 tracing::warn!(error = %e, "discovery: the fleet it found was refused; the fleet in force stays");
             }

@@ -80,7 +80,8 @@ pub async fn build_gateway(
         cfg.replicas.clone(),
         cfg.discovery.dns.clone(),
         Duration::from_secs(cfg.discovery.every_s),
-    );
+    )
+    .with_engines(&cfg.discovery);
     for name in &cfg.discovery.dns {
         // A failure is logged by `record`.
         discovery.record(name, resolve(name, Duration::from_secs(5)).await);
@@ -128,6 +129,7 @@ pub async fn build_gateway(
     // First health check before accepting traffic, so a ready gateway knows its fleet.
     let first = registry.replicas();
     futures::future::join_all(first.iter().map(|r| registry.check(r))).await;
+    registry.set_discovered_engines(&discovery.engines());
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
     let preparer = Preparer::with_cache(
@@ -197,6 +199,7 @@ pub async fn build_gateway(
         session_header: cfg.session_header.to_ascii_lowercase(),
         policies,
         peers: Peers::new(cfg.peers.clone()),
+        ready_wait: Duration::from_secs(cfg.index.ready_wait_s),
     });
     spawn_policy_reloaders(&state);
     spawn_peers(&state, &cfg.peers);

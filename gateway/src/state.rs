@@ -61,6 +61,8 @@ pub struct GatewayState {
     pub gateway_file: Option<GatewayFile>,
     /// The fleet's other gateways, sharing the admission budget (`peers.rs`).
     pub peers: Peers,
+    /// Longest `/ready` waits after start for the replicas' KV events (`index.ready_wait_s`).
+    pub ready_wait: Duration,
 }
 
 impl GatewayState {
@@ -70,6 +72,28 @@ impl GatewayState {
         self.model_len_override
             .or_else(|| self.fleet.max_model_len().map(|n| n as usize))
             .unwrap_or(FALLBACK_MODEL_LEN)
+    }
+
+    /// `/ready`: 503 while draining, with no healthy replica, or (for at most `ready_wait`
+    /// after start) while a healthy replica's KV events are not followed yet — a gateway whose
+    /// index is still filling would route worse than its peers.
+    pub fn readiness(&self) -> (u16, serde_json::Value) {
+        let healthy = self.fleet.healthy_count();
+        let (warm, expected) = self.fleet.events_warm();
+        let warming = warm < expected && self.lifecycle.started.elapsed() < self.ready_wait;
+        let status = match (self.lifecycle.is_draining(), healthy, warming) {
+            (true, _, _) => "draining",
+            (_, 0, _) => "no healthy replica",
+            (_, _, true) => "warming",
+            _ => "ready",
+        };
+        let body = serde_json::json!({
+            "status": status,
+            "healthy_replicas": healthy,
+            "kv_events_followed": warm,
+            "kv_events_expected": expected,
+        });
+        (if status == "ready" { 200 } else { 503 }, body)
     }
 
     /// Placement's share: the fleet and the prefix index.

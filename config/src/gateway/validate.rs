@@ -56,6 +56,12 @@ impl GatewayConfig {
             );
         }
         v.check(
+            self.discovery.kv_replay_port.is_none() || self.discovery.kv_events_port.is_some(),
+            "discovery.kv_replay_port",
+            "set",
+            "needs discovery.kv_events_port (the replay socket only fills gaps in that stream)",
+        );
+        v.check(
             (1..=3600).contains(&self.discovery.every_s),
             "discovery.every_s",
             self.discovery.every_s,

@@ -7,12 +7,15 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use config::gateway::{DiscoveryConfig, EngineSpec};
 use parking_lot::Mutex;
 
 /// The fleet's sources: the listed replicas and what each discovery name resolved to.
 pub struct Discovery {
     pub every: Duration,
     inner: Mutex<Sources>,
+    /// What runs behind each discovered address (its backend and ZMQ event ports).
+    engines: DiscoveryConfig,
 }
 
 struct Sources {
@@ -31,7 +34,24 @@ impl Discovery {
                 names,
                 found: BTreeMap::new(),
             }),
+            engines: DiscoveryConfig::default(),
         }
+    }
+
+    /// The engine behind every discovered address: `[discovery]`'s `backend` and ZMQ ports.
+    pub fn with_engines(mut self, cfg: &DiscoveryConfig) -> Self {
+        self.engines = cfg.clone();
+        self
+    }
+
+    /// The engine tables of every discovered address (none for plain kvgate replicas).
+    pub fn engines(&self) -> Vec<EngineSpec> {
+        let s = self.inner.lock();
+        s.found
+            .values()
+            .flatten()
+            .filter_map(|a| self.engines.engine_for(a))
+            .collect()
     }
 
     pub fn names(&self) -> Vec<String> {

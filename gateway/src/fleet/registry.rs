@@ -32,6 +32,8 @@ pub struct Registry {
     epoch: Instant,
     /// Replicas whose engine is not kvgate, or that publish KV events over ZMQ, by address.
     engines: RwLock<std::collections::HashMap<String, EngineSpec>>,
+    /// Engine tables of discovered addresses.
+    discovered_engines: RwLock<std::collections::HashMap<String, EngineSpec>>,
 }
 
 impl Registry {
@@ -49,6 +51,7 @@ impl Registry {
             .map(|(i, n)| Arc::new(ReplicaHandle::new(i, n.clone(), metrics.clone())))
             .collect();
         Registry {
+            discovered_engines: RwLock::new(std::collections::HashMap::new()),
             engines: RwLock::new(
                 cfg.engines
                     .iter()
@@ -73,14 +76,35 @@ impl Registry {
         }
     }
 
+    /// Healthy replicas whose KV events are expected, and how many of those are followed now
+    /// (their snapshot or replay received): a gateway whose index is still filling routes
+    /// worse than its peers, so `/ready` waits for it.
+    pub fn events_warm(&self) -> (usize, usize) {
+        let expected: Vec<bool> = self
+            .replicas()
+            .iter()
+            .filter(|r| !r.is_retired() && r.is_healthy() && self.expects_events(r))
+            .map(|r| r.events_live())
+            .collect();
+        (expected.iter().filter(|l| **l).count(), expected.len())
+    }
+
     /// Adopts the engine tables of a reloaded file (for replicas that join from now on).
     pub fn set_engines(&self, specs: &[EngineSpec]) {
         *self.engines.write() = specs.iter().map(|e| (e.addr.clone(), e.clone())).collect();
     }
 
-    /// The engine behind `name`, when the file names one.
+    /// Adopts the engine tables of the discovered addresses (`[discovery] backend` and its
+    /// ports), before the fleet they join is applied.
+    pub fn set_discovered_engines(&self, specs: &[EngineSpec]) {
+        *self.discovered_engines.write() =
+            specs.iter().map(|e| (e.addr.clone(), e.clone())).collect();
+    }
+
+    /// The engine behind `name`, when the file names one or discovery found it.
     pub fn engine(&self, name: &str) -> Option<EngineSpec> {
-        self.engines.read().get(name).cloned()
+        let listed = self.engines.read().get(name).cloned();
+        listed.or_else(|| self.discovered_engines.read().get(name).cloned())
     }
 
     pub fn replicas(&self) -> Arc<Vec<Arc<ReplicaHandle>>> {

@@ -65,6 +65,25 @@ impl ProxyHttp for GatewayProxy {
                     respond(session, code, Bytes::from(body.to_string()), &[]).await,
                 )
             }
+            // Kubernetes' probes: alive while the process answers (a drain must not be
+            // killed), ready while it should get traffic.
+            (_, "/live", _) if readable => (
+                "health",
+                respond(
+                    session,
+                    200,
+                    Bytes::from_static(b"{\"status\":\"alive\"}"),
+                    &[],
+                )
+                .await,
+            ),
+            (_, "/ready", _) if readable => {
+                let (code, body) = state.readiness();
+                (
+                    "health",
+                    respond(session, code, Bytes::from(body.to_string()), &[]).await,
+                )
+            }
             (_, "/metrics", _) if readable && state.metrics_on_api_port => {
                 let text = state.metrics.render();
                 (
@@ -127,7 +146,12 @@ impl ProxyHttp for GatewayProxy {
             (m, p, None) => {
                 let e = if matches!(
                     p,
-                    "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health"
+                    "/v1/completions"
+                        | "/v1/chat/completions"
+                        | "/v1/models"
+                        | "/health"
+                        | "/live"
+                        | "/ready"
                 ) {
                     ApiError::method_not_allowed(m, p)
                 } else {
