@@ -1,6 +1,6 @@
 //! The operator files name only metrics the code really exports: every `kvgate_*` name in
-//! `config/alerts.yml` and `config/dashboard.json` must appear on a running replica's or
-//! gateway's `/metrics`.
+//! `config/alerts.yml`, `config/dashboard.json` and the Kubernetes manifests (`config/k8s`)
+//! must appear on a running replica's or gateway's `/metrics`.
 
 mod common;
 
@@ -22,7 +22,13 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alert_rules_and_dashboard_use_exported_metric_names() {
     let rep = start_replica(|_| {}).await;
-    let gw = start_gateway(&[&rep], |_| {}).await;
+    // Priced and with a peer listed, so the cost and peer series exist too.
+    let gw = start_gateway(&[&rep], |c| {
+        c.cost.gpu_hour_usd = Some(2.0);
+        c.cost.managed_usd_per_mtok = Some(0.5);
+        c.peers.addrs = vec!["127.0.0.1:1".into()];
+    })
+    .await;
     // Traffic, so every labelled series exists.
     let r = gw
         .post(
@@ -47,16 +53,39 @@ async fn alert_rules_and_dashboard_use_exported_metric_names() {
             .unwrap();
         exported.extend(metric_names(&text));
     }
-    let rules =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/alerts.yml"))
-            .unwrap();
-    let used = metric_names(&rules);
-    assert!(used.len() >= 6, "{used:?}");
-    let missing: Vec<&String> = used.difference(&exported).collect();
-    assert!(
-        missing.is_empty(),
-        "alert rules name metrics nobody exports: {missing:?}"
-    );
+    // Histograms are named by their series (_bucket, _sum, _count).
+    let exported: BTreeSet<String> = exported
+        .iter()
+        .flat_map(|n| {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| n.strip_suffix(s))
+                .map(str::to_string);
+            std::iter::once(n.clone()).chain(base)
+        })
+        .collect();
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
+    let mut files = vec![config.join("alerts.yml"), config.join("dashboard.json")];
+    let mut dirs = vec![config.join("k8s")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "yaml") {
+                files.push(p);
+            }
+        }
+    }
+    for f in files {
+        let used = metric_names(&std::fs::read_to_string(&f).unwrap());
+        let missing: Vec<&String> = used.difference(&exported).collect();
+        assert!(
+            missing.is_empty(),
+            "{} names metrics nobody exports: {missing:?}",
+            f.display()
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

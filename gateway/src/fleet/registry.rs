@@ -166,8 +166,9 @@ impl Registry {
         let mut removed = Vec::new();
         for r in next.iter() {
             if !r.is_retired() && !names.contains(&r.name) {
+                // Retired, not ejected: what it has in flight (waiting for a first byte or
+                // streaming) finishes there; only new work goes elsewhere.
                 r.retired.store(true, Ordering::Relaxed);
-                r.ejections.send_modify(|n| *n += 1);
                 for t in r.tasks.lock().drain(..) {
                     t.abort();
                 }
