@@ -27,23 +27,8 @@ use crate::fleet::client::{http_client, FleetClient};
 use crate::fleet::discovery::resolve;
 use crate::fleet::registry::Registry;
 use crate::metrics::GatewayMetrics;
+use crate::routes::runtime::RouteUse;
 use crate::routes::store::PolicyStore;
-
-/// One route's use of its limits at one gateway.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RouteUse {
-    pub in_flight: u32,
-    pub tokens: u64,
-    pub queued: u32,
-}
-
-impl RouteUse {
-    fn add(&mut self, o: &RouteUse) {
-        self.in_flight += o.in_flight;
-        self.tokens += o.tokens;
-        self.queued += o.queued;
-    }
-}
 
 /// What `GET /admin/budget` answers: one gateway's own use, never what it heard from peers.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -7,13 +7,29 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::metrics::GatewayMetrics;
-use crate::peers::RouteUse;
 use crate::routes::goodput::RouteStats;
 use crate::routes::queue::AdmissionQueue;
+
+/// One route's use of its limits at one gateway.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteUse {
+    pub in_flight: u32,
+    pub tokens: u64,
+    pub queued: u32,
+}
+
+impl RouteUse {
+    pub fn add(&mut self, o: &RouteUse) {
+        self.in_flight += o.in_flight;
+        self.tokens += o.tokens;
+        self.queued += o.queued;
+    }
+}
 
 /// A route's live state, kept across policy reloads by route name.
 pub struct RouteRuntime {
