@@ -12,7 +12,8 @@
 #   and rejoins nginx once its /ready says so; times in DIR/.../restart.json.
 # Env: KVGATE_BIN (target/release/kvgate, built first), KVGATE_REPLICAS (8),
 #   KVGATE_REPLICA_ARGS ("--gpu a100 --num-gpu-blocks 3000"), KVGATE_TIME_SCALE (4),
-#   KVGATE_PEERS (1; 0: gateways do not share the budget, for contrast).
+#   KVGATE_PEERS (1; 0: gateways do not share the budget, for contrast), KVGATE_DURATION (60)
+#   and KVGATE_WARMUP (15): the bench's seconds of arrivals and of warm-up.
 # Writes DIR/seed-S-rate-R-gwN-MODE/ (report.json, budget.jsonl, access logs) and
 # DIR/summary.md (loadtest/multi_gateway_summary.py).
 set -euo pipefail
@@ -105,7 +106,7 @@ run_one() { # SEED RATE N MODE DIR
     "$bin" replica --port 0 --replica-id "r$i" --tokenizer "$tokenizer" \
       --time-scale "$time_scale" "${replica_args[@]}" >"$dir/logs/replica-r$i.log" 2>&1 &
     pids+=($!)
-    wait_until "replica r$i" 60 grep -q 'serving .* at http://' "$dir/logs/replica-r$i.log"
+    wait_until "replica r$i" 60 grep -qs 'serving .* at http://' "$dir/logs/replica-r$i.log"
     local url
     url=$(grep -m1 -o 'at http://[^ ]*' "$dir/logs/replica-r$i.log" | cut -c4-)
     urls+=("$url")
@@ -254,7 +255,7 @@ PY
   local flush=()
   for u in "${urls[@]}"; do flush+=(--flush "$u"); done
   "$bin" bench --target "kvgate_${n}gw_$mode=http://127.0.0.1:$nport" --rate "$rate" --seed "$seed" \
-    --workload apps --duration 60 --warmup 15 --slo-ttft-ms 2000 --slo-itl-ms 150 \
+    --workload apps --duration "${KVGATE_DURATION:-60}" --warmup "${KVGATE_WARMUP:-15}" --slo-ttft-ms 2000 --slo-itl-ms 150 \
     --tokenizer "$tokenizer" --no-progress "${flush[@]}" --out "$dir" "${extra[@]}" >"$dir/bench.log" 2>&1
   kill "$sampler" 2>/dev/null || true
   [ -n "$restarter" ] && wait "$restarter" 2>/dev/null || true

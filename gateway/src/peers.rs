@@ -215,7 +215,9 @@ impl PeerPoller {
             names: cfg.addrs.iter().chain(&cfg.dns).cloned().collect(),
             targets: Vec::new(),
             resolved_at: None,
-            timeout: Duration::from_millis(cfg.stale_ms / 2),
+            // A peer that does not answer (a black-holed address) must not hold up the round
+            // for the others: a few periods at most, within half the staleness bound.
+            timeout: Duration::from_millis((cfg.every_ms * 3).max(250).min(cfg.stale_ms / 2)),
             resolve_every: Duration::from_secs(cfg.resolve_every_s),
             gauges: ["live", "stale"]
                 .map(|s| metrics.gauge_with("kvgate_gateway_peers", &[("state", s)])),

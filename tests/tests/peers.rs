@@ -142,3 +142,61 @@ async fn two_gateways_share_one_admission_budget() {
     let live = a.metric("kvgate_gateway_peers").await;
     assert!(live >= 1.0, "A counts its live peer: {live}");
 }
+
+/// A long shared prompt: the same system text, a different question.
+fn shared_chat(question: &str) -> Value {
+    let system = "You are the support assistant of a parcel company. ".repeat(40);
+    json!({"model": "Qwen3-8B", "max_tokens": 4,
+           "messages": [{"role": "system", "content": system},
+                        {"role": "user", "content": question}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_sent_through_one_gateway_is_matched_by_the_other() {
+    let reps = [
+        start_replica(|c| c.replica_id = "r0".into()).await,
+        start_replica(|c| c.replica_id = "r1".into()).await,
+    ];
+    let addrs: Vec<String> = reps.iter().map(|r| r.host_port()).collect();
+    let start = |addrs: Vec<String>| async move {
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        start_gateway_with_admin(&addrs, admin, |c| c.index.kv_events = true).await
+    };
+    let (a, b) = (start(addrs.clone()).await, start(addrs).await);
+    // The first turn goes through A ...
+    let r = a
+        .post("/v1/chat/completions", shared_chat("Where is parcel 1?"))
+        .await;
+    assert_eq!(r.status(), 200);
+    let holder = r.headers()["x-kvgate-replica"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    // ... and B, which never saw it, learns from the replica's KV events where the prefix is:
+    // the next turn through B goes to the same replica, as a prefix match.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let body = shared_chat("And parcel 2?");
+    loop {
+        let v = b.explain(&body).await;
+        if v["decision"]["reason"] == "prefix_match" {
+            assert_eq!(v["decision"]["replica"], holder.as_str(), "{v}");
+            assert!(
+                v["decision"]["matched_blocks"].as_u64().unwrap() >= 20,
+                "{v}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "B never matched A's prefix: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = b.post("/v1/chat/completions", body).await;
+    assert_eq!(r.headers()["x-kvgate-replica"], holder.as_str());
+    let usage: Value = r.json().await.unwrap();
+    assert!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 256,
+        "the replica served the shared prefix from its cache: {usage}"
+    );
+}
