@@ -1,7 +1,7 @@
 //! The fleet's two live gauges, refreshed every second:
 //!
-//! - **The autoscaling signal** (`kvgate_gateway_scale_signal`; scale out above 1.0), from
-//!   leading indicators only — latency says trouble already arrived. Per route, the largest of:
+//! - **The autoscaling signal** (`kvgate_gateway_scale_signal`; scale out above 1.0: the
+//!   largest per-second reading of the last minute), from leading indicators only — latency says trouble already arrived. Per route, the largest of:
 //!   requests waiting in the gateway (this one's and its peers') per healthy replica of the
 //!   pool; the pool's mean KV usage against the policy's `kv_high_water`; the pool's mean
 //!   predicted wait for a first token (the prefill queued ahead of a new request, at the
@@ -84,9 +84,14 @@ pub fn route_scale(a: &ActivePolicy, route: &ActiveRoute, fleet: &Registry) -> S
     }
 }
 
+/// How long the exported signal remembers its peak.
+const PEAK_WINDOW: Duration = Duration::from_secs(60);
+
 /// Refreshes the autoscaling signal and the cost gauges.
 pub struct FleetGauges {
     cost: CostConfig,
+    /// The fleet's per-second readings over the last [`PEAK_WINDOW`].
+    readings: parking_lot::Mutex<std::collections::VecDeque<(Instant, f64)>>,
 }
 
 impl FleetGauges {
@@ -94,7 +99,26 @@ impl FleetGauges {
         if let Some(p) = cost.managed_usd_per_mtok {
             metrics.gauge("kvgate_gateway_managed_cost_per_mtok").set(p);
         }
-        FleetGauges { cost }
+        FleetGauges {
+            cost,
+            readings: parking_lot::Mutex::new(std::collections::VecDeque::new()),
+        }
+    }
+
+    /// Records `now`'s reading and returns the largest of the last minute. The knee is met
+    /// first in bursts: a fleet whose queues fill for a few seconds every minute is at it,
+    /// though its average reading is low — and Prometheus, scraping every 15 s, would miss
+    /// those seconds in the instantaneous value.
+    fn peak(&self, now: Instant, reading: f64) -> f64 {
+        let mut r = self.readings.lock();
+        r.push_back((now, reading));
+        while r
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > PEAK_WINDOW)
+        {
+            r.pop_front();
+        }
+        r.iter().map(|(_, x)| *x).fold(0.0, f64::max)
     }
 
     pub fn update(&self, policies: &PolicyStore, fleet: &Registry, metrics: &GatewayMetrics) {
@@ -116,7 +140,7 @@ impl FleetGauges {
         }
         metrics
             .gauge("kvgate_gateway_scale_signal")
-            .set(fleet_signal);
+            .set(self.peak(Instant::now(), fleet_signal));
         if self.cost.gpu_hour_usd.is_none() && self.cost.replica_hour_usd.is_empty() {
             return;
         }
@@ -166,5 +190,16 @@ mod tests {
         };
         assert_eq!(p.signal(), 1.3);
         assert_eq!(ScaleParts::default().signal(), 0.0);
+    }
+
+    #[test]
+    fn the_exported_signal_is_the_last_minutes_peak() {
+        let g = FleetGauges::new(CostConfig::default(), &GatewayMetrics::new());
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(g.peak(at(0), 0.3), 0.3);
+        assert_eq!(g.peak(at(10), 1.4), 1.4);
+        assert_eq!(g.peak(at(30), 0.2), 1.4);
+        assert_eq!(g.peak(at(71), 0.2), 0.2);
     }
 }
