@@ -55,7 +55,11 @@ impl Default for CostConfig {
 impl CostConfig {
     /// What one hour of the replica listed as `addr` costs (`None`: not priced).
     pub fn replica_hour(&self, addr: &str) -> Option<f64> {
-        self.replica_hour_usd.get(addr).copied().or_else(|| {
+        let listed = self
+            .replica_hour_usd
+            .iter()
+            .find(|(k, _)| crate::fleet::normalize_replica(k) == addr);
+        listed.map(|(_, v)| *v).or_else(|| {
             self.gpu_hour_usd
                 .map(|g| g * f64::from(self.gpus_per_replica))
         })
@@ -83,6 +87,12 @@ impl CostConfig {
             }
         }
         for (addr, x) in &self.replica_hour_usd {
+            v.check(
+                crate::fleet::is_host_port(&crate::fleet::normalize_replica(addr)),
+                &format!("cost.replica_hour_usd.{addr:?}"),
+                format!("{addr:?}"),
+                "must be a replica's host:port as the gateway lists it",
+            );
             v.check(
                 price(*x),
                 &format!("cost.replica_hour_usd.{addr:?}"),
@@ -121,7 +131,7 @@ mod tests {
         let c = CostConfig {
             gpu_hour_usd: Some(2.5),
             gpus_per_replica: 2,
-            replica_hour_usd: [("b:1".to_string(), 4.0)].into(),
+            replica_hour_usd: [("http://b:1/".to_string(), 4.0)].into(),
             ..CostConfig::default()
         };
         assert_eq!(c.replica_hour("a:1"), Some(5.0));

@@ -144,7 +144,7 @@ pub async fn admin_handle(
                         "waiting": l.waiting,
                         "running": l.running,
                         "kv_usage": l.kv_usage,
-                        "generation_tokens_per_s": r
+                        "generation_tokens_per_s_1m": r
                             .throughput
                             .tokens_per_s(std::time::Instant::now(), Duration::from_secs(60)),
                         "learnt": {

@@ -93,6 +93,9 @@ pub struct Peers {
     pub id: String,
     cfg: PeersConfig,
     heard: Mutex<HashMap<SocketAddr, Heard>>,
+    /// Addresses that have not answered since this instant (never heard, or failing since a
+    /// last answer): past `stale_ms` they count as stale, so a mistyped or dead peer shows.
+    failing: Mutex<HashMap<SocketAddr, (Instant, bool)>>,
     /// Addresses found among the peers that answered with this gateway's own id.
     myself: Mutex<Vec<SocketAddr>>,
 }
@@ -103,6 +106,7 @@ impl Peers {
             id: instance_id(),
             cfg,
             heard: Mutex::new(HashMap::new()),
+            failing: Mutex::new(HashMap::new()),
             myself: Mutex::new(Vec::new()),
         }
     }
@@ -111,8 +115,21 @@ impl Peers {
         !self.cfg.is_empty()
     }
 
+    /// Records that `addr` did not answer at `at` (`why`: for the log, once it turns stale).
+    fn missed(&self, addr: SocketAddr, at: Instant, why: &str) {
+        let mut f = self.failing.lock();
+        let (since, warned) = f.entry(addr).or_insert((at, false));
+        if !*warned
+            && at.saturating_duration_since(*since) > Duration::from_millis(self.cfg.stale_ms)
+        {
+            *warned = true;
+            tracing::warn!(%addr, error = why, "a peer gateway does not answer; its use of the budget is not counted until it does");
+        }
+    }
+
     /// Records `report` heard from `addr` at `at`.
     fn heard(&self, addr: SocketAddr, report: BudgetReport, at: Instant) {
+        self.failing.lock().remove(&addr);
         if report.id == self.id {
             let mut me = self.myself.lock();
             if !me.contains(&addr) {
@@ -141,6 +158,15 @@ impl Peers {
             }
         }
         t.live = freshest.len();
+        // Addresses never heard (a typo, a peer down from the start) count as stale too.
+        t.stale += self
+            .failing
+            .lock()
+            .iter()
+            .filter(|(a, (since, _))| {
+                !heard.contains_key(a) && now.saturating_duration_since(*since) > stale_after
+            })
+            .count();
         for h in freshest.values() {
             for (route, u) in &h.report.routes {
                 t.routes.entry(route.clone()).or_default().add(u);
@@ -180,6 +206,17 @@ impl Peers {
                 })
             })
             .collect();
+        for (addr, (since, _)) in self.failing.lock().iter() {
+            if !heard.contains_key(addr) {
+                peers.push(serde_json::json!({
+                    "address": addr.to_string(),
+                    "never_heard": true,
+                    "failing_ms": now.saturating_duration_since(*since).as_millis() as u64,
+                    "stale": now.saturating_duration_since(*since)
+                        > Duration::from_millis(self.cfg.stale_ms),
+                }));
+            }
+        }
         peers.sort_by_key(|p| p["address"].as_str().map(str::to_string));
         serde_json::json!({
             "id": self.id,
@@ -233,6 +270,7 @@ impl PeerPoller {
             self.targets = resolve_all(&self.names).await;
             let targets = &self.targets;
             peers.heard.lock().retain(|a, _| targets.contains(a));
+            peers.failing.lock().retain(|a, _| targets.contains(a));
             self.resolved_at = Some(Instant::now());
         }
         let me = peers.myself.lock().clone();
@@ -247,8 +285,8 @@ impl PeerPoller {
         for (addr, got) in futures::future::join_all(asks).await {
             match got.map(|b| serde_json::from_slice::<BudgetReport>(&b)) {
                 Ok(Ok(report)) => peers.heard(addr, report, Instant::now()),
-                Ok(Err(e)) => tracing::debug!(%addr, error = %e, "peer budget unreadable"),
-                Err(e) => tracing::debug!(%addr, error = %e, "peer budget not read"),
+                Ok(Err(e)) => peers.missed(addr, Instant::now(), &e.to_string()),
+                Err(e) => peers.missed(addr, Instant::now(), &e.to_string()),
             }
         }
         let t = peers.totals(Instant::now());
@@ -334,6 +372,26 @@ mod tests {
         let t = peers.totals(t0 + Duration::from_millis(2200));
         assert_eq!((t.live, t.stale), (1, 2));
         assert_eq!(t.routes["chat"].in_flight, 1);
+    }
+
+    #[test]
+    fn a_peer_that_never_answers_turns_stale() {
+        let peers = Peers::new(PeersConfig::default());
+        let t0 = Instant::now();
+        peers.missed(addr(7), t0, "connection refused");
+        assert_eq!(peers.totals(t0 + Duration::from_millis(500)).stale, 0);
+        peers.missed(
+            addr(7),
+            t0 + Duration::from_millis(2100),
+            "connection refused",
+        );
+        assert_eq!(peers.totals(t0 + Duration::from_millis(2200)).stale, 1);
+        let d = peers.describe(t0 + Duration::from_millis(2200));
+        assert_eq!(d["peers"][0]["never_heard"], true);
+        // Once it answers it is live, and no longer failing.
+        peers.heard(addr(7), report("p", 1, 0), t0 + Duration::from_millis(2300));
+        let t = peers.totals(t0 + Duration::from_millis(2400));
+        assert_eq!((t.live, t.stale), (1, 0));
     }
 
     #[test]

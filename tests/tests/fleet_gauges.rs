@@ -50,7 +50,7 @@ async fn cost_per_mtok_is_priced_on_the_replicas_measured_throughput() {
     let (cost, tps) = loop {
         let cost = gauge(&g, "kvgate_gateway_fleet_cost_per_mtok").await;
         let replicas = g.admin_json("/admin/replicas").await;
-        let tps = replicas[0]["generation_tokens_per_s"].as_f64();
+        let tps = replicas[0]["generation_tokens_per_s_1m"].as_f64();
         if let (Some(c), Some(t)) = (cost.filter(|c| c.is_finite()), tps) {
             break (c, t);
         }

@@ -150,11 +150,11 @@ const GAUGES: &[(&str, &str)] = &[
     ),
     (
         "kvgate_gateway_scale_signal",
-        "Autoscaling signal from leading indicators (the largest route's): scale out above 1.0",
+        "Autoscaling signal from leading indicators (the largest route's; the 90th percentile of the last minute's per-second readings): scale out above 1.0",
     ),
     (
         "kvgate_gateway_route_scale_signal",
-        "A route's autoscaling signal by part: queue (requests waiting in the gateways per healthy replica of the pool), kv (mean KV usage ÷ kv_high_water), ttft (mean predicted wait for a first token ÷ the promise), itl (mean predicted decode step with one more stream ÷ the promise); 1.0 is the knee",
+        "A route's autoscaling signal by part: queue (requests waiting in the gateways per healthy replica of the pool), kv (mean KV usage ÷ kv_high_water), ttft (mean predicted wait for a first token ÷ the promise), itl (mean predicted decode step with one more stream ÷ the promise); 1.0 is the knee. Instantaneous, unlike the fleet signal",
     ),
     (
         "kvgate_gateway_cost_per_mtok",
