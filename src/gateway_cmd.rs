@@ -165,6 +165,17 @@ pub async fn serve_gateway(
     println!(
         "kvgate gateway ready at http://{addr} ({healthy} of {total} replicas healthy); metrics and admin at http://{admin_addr}"
     );
+    // It serves now; a load balancer's readiness probe may still be told to wait.
+    let (code, ready) = server.state().readiness();
+    if code != 200 {
+        println!(
+            "  GET /ready answers {code} for now ({}: following {} of {} replicas' KV events); \
+             it turns 200 once it follows them all, or after index.ready_wait_s",
+            ready["status"].as_str().unwrap_or("not ready"),
+            ready["kv_events_followed"],
+            ready["kv_events_expected"],
+        );
+    }
     println!();
     println!("  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
     println!(
