@@ -35,7 +35,7 @@ pub struct CostConfig {
     /// A managed API's price per million output tokens, exported beside the fleet's own.
     #[serde(default)]
     pub managed_usd_per_mtok: Option<f64>,
-    /// Seconds of throughput the gauge is priced on.
+    /// Seconds of throughput the gauge is priced on (at most 600).
     #[serde(default = "default_window")]
     pub window_s: u64,
 }
@@ -55,11 +55,7 @@ impl Default for CostConfig {
 impl CostConfig {
     /// What one hour of the replica listed as `addr` costs (`None`: not priced).
     pub fn replica_hour(&self, addr: &str) -> Option<f64> {
-        let listed = self
-            .replica_hour_usd
-            .iter()
-            .find(|(k, _)| crate::fleet::normalize_replica(k) == addr);
-        listed.map(|(_, v)| *v).or_else(|| {
+        self.replica_hour_usd.get(addr).copied().or_else(|| {
             self.gpu_hour_usd
                 .map(|g| g * f64::from(self.gpus_per_replica))
         })
@@ -88,7 +84,7 @@ impl CostConfig {
         }
         for (addr, x) in &self.replica_hour_usd {
             v.check(
-                crate::fleet::is_host_port(&crate::fleet::normalize_replica(addr)),
+                crate::fleet::is_host_port(addr),
                 &format!("cost.replica_hour_usd.{addr:?}"),
                 format!("{addr:?}"),
                 "must be a replica's host:port as the gateway lists it",
@@ -107,10 +103,10 @@ impl CostConfig {
             "must be between 1 and 1024",
         );
         v.check(
-            (10..=86_400).contains(&self.window_s),
+            (10..=600).contains(&self.window_s),
             "cost.window_s",
             self.window_s,
-            "must be between 10 and 86400 seconds",
+            "must be between 10 and 600 seconds (the gateway keeps ten minutes of samples)",
         );
     }
 }
@@ -131,7 +127,7 @@ mod tests {
         let c = CostConfig {
             gpu_hour_usd: Some(2.5),
             gpus_per_replica: 2,
-            replica_hour_usd: [("http://b:1/".to_string(), 4.0)].into(),
+            replica_hour_usd: [("b:1".to_string(), 4.0)].into(),
             ..CostConfig::default()
         };
         assert_eq!(c.replica_hour("a:1"), Some(5.0));
@@ -140,6 +136,13 @@ mod tests {
         let p = CostConfig::per_mtok(5.0, 1000.0).unwrap();
         assert!((p - 5.0 / 3.6).abs() < 1e-9);
         assert_eq!(CostConfig::per_mtok(5.0, 0.0), None);
+        // A price keyed by URL names the replica as the list does.
+        let g = crate::GatewayConfig::from_toml(
+            "replicas = [\"http://10.0.0.9:8000/\"]\n[cost]\ngpu_hour_usd = 1.0\n\
+             [cost.replica_hour_usd]\n\"http://10.0.0.9:8000/\" = 4.0\n",
+        )
+        .unwrap();
+        assert_eq!(g.cost.replica_hour("10.0.0.9:8000"), Some(4.0));
         let mut v = Validator::new();
         CostConfig {
             gpu_hour_usd: Some(-1.0),

@@ -559,6 +559,12 @@ impl GatewayConfig {
         for r in &mut self.replicas {
             *r = normalize_replica(r);
         }
+        // Prices by replica name the replicas as the list does.
+        let prices = std::mem::take(&mut self.cost.replica_hour_usd);
+        self.cost.replica_hour_usd = prices
+            .into_iter()
+            .map(|(k, v)| (normalize_replica(&k), v))
+            .collect();
     }
 }
 

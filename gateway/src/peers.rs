@@ -283,10 +283,12 @@ impl PeerPoller {
                 async move { (addr, client.fetch(addr, "/admin/budget", timeout).await) }
             });
         for (addr, got) in futures::future::join_all(asks).await {
-            match got.map(|b| serde_json::from_slice::<BudgetReport>(&b)) {
-                Ok(Ok(report)) => peers.heard(addr, report, Instant::now()),
-                Ok(Err(e)) => peers.missed(addr, Instant::now(), &e.to_string()),
-                Err(e) => peers.missed(addr, Instant::now(), &e.to_string()),
+            let report = got.map_err(|e| e.to_string()).and_then(|b| {
+                serde_json::from_slice::<BudgetReport>(&b).map_err(|e| e.to_string())
+            });
+            match report {
+                Ok(report) => peers.heard(addr, report, Instant::now()),
+                Err(why) => peers.missed(addr, Instant::now(), &why),
             }
         }
         let t = peers.totals(Instant::now());

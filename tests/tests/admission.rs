@@ -269,18 +269,6 @@ async fn requests_take_their_route_and_pool() {
     }
 }
 
-async fn wait_for(g: &Gateway, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let p = g.admin_json("/admin/policy").await;
-        if cond(&p) {
-            return p;
-        }
-        assert!(Instant::now() < deadline, "{what} never happened: {p}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reloads_are_validated_atomic_and_lossless() {
     let replicas = [start_replica(|_| {}).await, start_replica(|_| {}).await];
@@ -294,7 +282,9 @@ async fn reloads_are_validated_atomic_and_lossless() {
 
     // An invalid file changes nothing and says why: field, value, reason.
     file.replace(&ROUTES_V1.replace("max_concurrency = 1", "max_concurrency = 0"));
-    let p = wait_for(&g, "rejection", |p| !p["last_error"].is_null()).await;
+    let p = g
+        .wait_admin("/admin/policy", "rejection", |p| !p["last_error"].is_null())
+        .await;
     assert_eq!(p["version"], "v1");
     assert_eq!(p["generation"], 1);
     let err = &p["last_error"];
@@ -340,7 +330,9 @@ async fn reloads_are_validated_atomic_and_lossless() {
             .replace("v1", "v2")
             .replace("name = \"interactive\"", "name = \"chat\""),
     );
-    let p = wait_for(&g, "reload", |p| p["version"] == "v2").await;
+    let p = g
+        .wait_admin("/admin/policy", "reload", |p| p["version"] == "v2")
+        .await;
     assert_eq!(p["generation"], 2);
     assert!(p["last_error"].is_null());
     let seen = traffic.await.unwrap();

@@ -506,18 +506,6 @@ impl Drop for ConfigMapVolume {
     }
 }
 
-async fn wait_policy(g: &Gateway, cond: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let p = g.admin_json("/admin/policy").await;
-        if cond(&p) {
-            return p;
-        }
-        assert!(Instant::now() < deadline, "never: {p}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configmap_update_by_symlink_swap_is_reloaded() {
     let rep = start_replica(|_| {}).await;
@@ -529,12 +517,15 @@ async fn a_configmap_update_by_symlink_swap_is_reloaded() {
     // The kubelet's update: the file the gateway names is never written, only the symlink
     // two levels down swapped.
     volume.update(&v1.replace("cm-1", "cm-2").replace("= 4", "= 8"));
-    let p = wait_policy(&g, |p| p["version"] == "cm-2").await;
+    let p = g
+        .wait_admin("/admin/policy", "the reload", |p| p["version"] == "cm-2")
+        .await;
     assert_eq!(p["generation"], 2);
     assert_eq!(p["routes"][0]["max_concurrency"], 8);
     // And again: the old folder is gone, the gateway follows the new one.
     volume.update(&v1.replace("cm-1", "cm-3"));
-    wait_policy(&g, |p| p["version"] == "cm-3").await;
+    g.wait_admin("/admin/policy", "the reload", |p| p["version"] == "cm-3")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,19 +37,6 @@ fn long_request(g: &Gateway, seed: u32) -> tokio::task::JoinHandle<u16> {
     })
 }
 
-/// Polls `path` on `g`'s admin port until `cond` holds (20 s at most).
-async fn wait_admin(g: &Gateway, path: &str, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let v = g.admin_json(path).await;
-        if cond(&v) {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{what} never happened: {v}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn route_use(budget: &Value, field: &str) -> u64 {
     budget["routes"]["chat"][field].as_u64().unwrap_or(0)
 }
@@ -85,7 +72,7 @@ async fn two_gateways_share_one_admission_budget() {
 
     // Two long requests through A fill the route's fleet-wide concurrency...
     let first = [long_request(a, 1), long_request(a, 2)];
-    wait_admin(b, "/admin/peers", "B hearing A's two requests", |v| {
+    b.wait_admin("/admin/peers", "B hearing A's two requests", |v| {
         v["peers"]
             .as_array()
             .is_some_and(|p| p.iter().any(|p| p["routes"]["chat"]["in_flight"] == 2))
@@ -101,10 +88,11 @@ async fn two_gateways_share_one_admission_budget() {
 
     // So a request through B waits in B's queue rather than running a third one at once.
     let third = long_request(b, 3);
-    let budget = wait_admin(b, "/admin/budget", "B taking the request", |v| {
-        route_use(v, "queued") + route_use(v, "in_flight") > 0
-    })
-    .await;
+    let budget = b
+        .wait_admin("/admin/budget", "B taking the request", |v| {
+            route_use(v, "queued") + route_use(v, "in_flight") > 0
+        })
+        .await;
     let a_now = a.admin_json("/admin/budget").await;
     assert_eq!(
         (
@@ -117,7 +105,7 @@ async fn two_gateways_share_one_admission_budget() {
 
     // The route's one queue place is the fleet's: once A has heard of B's waiter, a request
     // through A is shed with 429 queue_full, though A's own queue is empty.
-    wait_admin(a, "/admin/peers", "A hearing B's waiter", |v| {
+    a.wait_admin("/admin/peers", "A hearing B's waiter", |v| {
         v["peers"]
             .as_array()
             .is_some_and(|p| p.iter().any(|p| p["routes"]["chat"]["queued"] == 1))

@@ -85,8 +85,12 @@ impl Registry {
             .iter()
             // A stream the replica refuses (no fleet token) will not come however long we
             // wait: the log says why, and readiness does not hold for it.
-            .filter(|r| !r.is_retired() && r.is_healthy() && self.expects_events(r))
-            .filter(|r| !r.events_refused.load(Ordering::Relaxed))
+            .filter(|r| {
+                !r.is_retired()
+                    && r.is_healthy()
+                    && self.expects_events(r)
+                    && !r.events_refused.load(Ordering::Relaxed)
+            })
             .map(|r| r.events_live())
             .collect();
         (expected.iter().filter(|l| **l).count(), expected.len())

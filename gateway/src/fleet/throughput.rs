@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-/// Samples kept: at the default 250 ms poll, ten minutes.
-const MAX_SAMPLES: usize = 2400;
+/// How far back samples are kept (`cost.window_s` is at most this).
+const MAX_AGE: Duration = Duration::from_secs(600);
 
 /// `(when, counter)` samples of one replica's generated-token counter.
 #[derive(Debug, Default)]
@@ -18,15 +18,24 @@ pub struct Throughput {
 }
 
 impl Throughput {
-    /// Records the counter read at `at`. A counter that went down (the replica restarted)
-    /// starts the window again.
+    /// Records the counter read at `at`, keeping about one sample a second whatever the poll
+    /// interval (a newer reading within a second of the one before the last replaces the
+    /// last). A counter that went down (the replica restarted) starts the window again.
     pub fn sample(&self, at: Instant, total: u64) {
         let mut s = self.samples.lock();
         if s.back().is_some_and(|&(_, last)| total < last) {
             s.clear();
         }
-        s.push_back((at, total));
-        while s.len() > MAX_SAMPLES {
+        let n = s.len();
+        if n >= 2 && at.saturating_duration_since(s[n - 2].0) < Duration::from_secs(1) {
+            s[n - 1] = (at, total);
+        } else {
+            s.push_back((at, total));
+        }
+        while s
+            .front()
+            .is_some_and(|(t, _)| at.saturating_duration_since(*t) > MAX_AGE)
+        {
             s.pop_front();
         }
     }
@@ -66,5 +75,15 @@ mod tests {
         t.sample(s(103), 207);
         let r = t.tokens_per_s(s(103), Duration::from_secs(60)).unwrap();
         assert!((r - 100.0).abs() < 1e-9, "{r}");
+        // A fast poll keeps about one sample a second, and the rate is the same.
+        let f = Throughput::default();
+        for i in 0..=400u64 {
+            f.sample(t0 + Duration::from_millis(50 * i), i * 5);
+        }
+        assert!(f.samples.lock().len() <= 25, "{}", f.samples.lock().len());
+        let r = f
+            .tokens_per_s(t0 + Duration::from_secs(20), Duration::from_secs(60))
+            .unwrap();
+        assert!((r - 100.0).abs() < 1e-6, "{r}");
     }
 }

@@ -1,7 +1,8 @@
 //! The fleet's two live gauges, refreshed every second:
 //!
 //! - **The autoscaling signal** (`kvgate_gateway_scale_signal`; scale out above 1.0: the
-//!   90th percentile of the last minute's per-second readings), from leading indicators only — latency says trouble already arrived. Per route, the largest of:
+//!   90th percentile of the last minute's per-second readings), from leading indicators
+//!   only — latency says trouble already arrived. Per route, the largest of:
 //!   requests waiting in the gateway (this one's and its peers') per healthy replica of the
 //!   pool; the pool's mean KV usage against the policy's `kv_high_water`; the pool's mean
 //!   predicted wait for a first token (the prefill queued ahead of a new request, at the

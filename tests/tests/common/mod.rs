@@ -321,6 +321,19 @@ impl Gateway {
         get_json(&self.client, format!("{}{path}", self.admin)).await
     }
 
+    /// Polls the admin `path` until `cond` holds (20 s at most; `what` names it if not).
+    pub async fn wait_admin(&self, path: &str, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let v = self.admin_json(path).await;
+            if cond(&v) {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{what} never happened: {v}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The admin API's dry run for `body` (`POST /admin/route/explain`).
     pub async fn explain(&self, body: &Value) -> Value {
         post_json(
