@@ -1,11 +1,12 @@
 //! The `kvgate` binary: it parses the command line and dispatches each subcommand to its own
-//! file (`gateway_cmd.rs`, `replica_cmd.rs`, `up.rs`, `bench.rs`, `export_tokenizer.rs`), which
-//! hands a validated configuration to its crate.
+//! file (`gateway_cmd.rs`, `replica_cmd.rs`, `up.rs`, `bench.rs`, `export_tokenizer.rs`,
+//! `kv_check.rs`), which hands a validated configuration to its crate.
 
 mod bench;
 mod export_tokenizer;
 mod floor;
 mod gateway_cmd;
+mod kv_check;
 mod replica_cmd;
 mod signals;
 mod up;
@@ -24,6 +25,7 @@ use bench::{run_bench, BenchArgs};
 use clap::{Parser, Subcommand};
 use export_tokenizer::{run_export_tokenizer, ExportTokenizerArgs};
 use gateway_cmd::{run_gateway, GatewayArgs};
+use kv_check::{run_kv_check, KvCheckArgs};
 use replica_cmd::{run_capacity, run_replica, CapacityArgs, ReplicaArgs};
 
 #[derive(Parser)]
@@ -54,6 +56,10 @@ enum Command {
     /// Open-loop load test of OpenAI endpoints: rate sweeps, several targets interleaved, goodput
     /// against an SLO, oracle hit ratio, JSON + Markdown report and plots.
     Bench(BenchArgs),
+    /// Judge a quantised KV cache (fp8) against f16 on long greedy generations and a fixed
+    /// text, on a real model on CPU: agreement, perplexity, bytes and decode speed; exits
+    /// non-zero when it fails its thresholds.
+    KvCheck(KvCheckArgs),
 }
 
 /// Errors end the process with one line, `Error: ` and the error's causes joined by `: `
@@ -102,5 +108,6 @@ fn run() -> Result<()> {
             .block_on(run_bench(a)),
         Command::ExportTokenizer(a) => run_export_tokenizer(a),
         Command::Capacity(a) => run_capacity(a),
+        Command::KvCheck(a) => run_kv_check(a),
     }
 }

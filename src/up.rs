@@ -75,6 +75,11 @@ pub(crate) fn default_model_file() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The default real model, fetched first when it is missing.
+pub(crate) fn default_model_file_or_fetch() -> Result<PathBuf> {
+    Ok(default_files_or_fetch(&[DEFAULT_MODEL_FILE])?.join(DEFAULT_MODEL_FILE))
+}
+
 /// The tokenizer the sim fleet and every gateway use by default.
 const DEFAULT_TOKENIZER_FILE: &str = "models/qwen3/tokenizer.json";
 

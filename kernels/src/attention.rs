@@ -1,5 +1,5 @@
 //! The paged KV cache and attention over it. Keys and values are stored as f16 (llama.cpp's
-//! default cache type) in fixed-size blocks that the replica's block manager hands out: a
+//! default cache type) or FP8 E4M3 with per-token scales ([`KvElement`]) in fixed-size blocks that the replica's block manager hands out: a
 //! sequence's block table maps its position `p` to slot `p % block_size` of block
 //! `table[p / block_size]`. A block written by one sequence is read unchanged by every sequence
 //! that later shares the prefix, which is what makes prefix caching save real work.
@@ -7,10 +7,8 @@
 //! Layout: `[layer][block][kv_head][slot][head_dim]`, so one block of one head is a contiguous
 //! run of `block_size × head_dim` values, widened to f32 in one go before its dot products.
 
-use half::f16;
-use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
-
 use crate::dot::dot_f32;
+use crate::kv_store::{KvElement, Lanes};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -22,37 +20,54 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    /// Bytes of K and V for one token across all layers.
+    /// Bytes of K and V for one token across all layers, stored as f16.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.head_dim * std::mem::size_of::<f16>()
+        self.bytes_per_token_as(KvElement::F16)
+    }
+
+    /// Bytes of K and V for one token across all layers, stored as `elem`.
+    pub fn bytes_per_token_as(&self, elem: KvElement) -> usize {
+        2 * self.layers * self.kv_heads * elem.bytes_per_head(self.head_dim)
     }
 }
 
-/// Keys and values as f16 bit patterns: a zeroed `u16` vector is allocated lazily by the OS, so
-/// the cache costs resident memory only as blocks are first written.
+/// Keys and values in zeroed vectors allocated lazily by the OS, so the cache costs resident
+/// memory only as blocks are first written.
 pub struct PagedKvCache {
     shape: AttentionShape,
-    k: Vec<u16>,
-    v: Vec<u16>,
+    elem: KvElement,
+    k: Lanes,
+    v: Lanes,
 }
 
 impl std::fmt::Debug for PagedKvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PagedKvCache")
             .field("shape", &self.shape)
+            .field("element", &self.elem)
             .finish_non_exhaustive()
     }
 }
 
 impl PagedKvCache {
+    /// An f16 cache.
     pub fn new(shape: AttentionShape) -> Self {
+        Self::with_element(shape, KvElement::F16)
+    }
+
+    pub fn with_element(shape: AttentionShape, elem: KvElement) -> Self {
         let n =
             shape.layers * shape.num_blocks * shape.kv_heads * shape.block_size * shape.head_dim;
         PagedKvCache {
             shape,
-            k: vec![0u16; n],
-            v: vec![0u16; n],
+            elem,
+            k: Lanes::new(elem, n, shape.head_dim),
+            v: Lanes::new(elem, n, shape.head_dim),
         }
+    }
+
+    pub fn element(&self) -> KvElement {
+        self.elem
     }
 
     pub fn shape(&self) -> &AttentionShape {
@@ -61,7 +76,7 @@ impl PagedKvCache {
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * std::mem::size_of::<u16>()
+        self.k.bytes() + self.v.bytes()
     }
 
     fn offset(&self, layer: usize, block: usize, head: usize, slot: usize) -> usize {
@@ -74,12 +89,8 @@ impl PagedKvCache {
         let hd = self.shape.head_dim;
         for h in 0..self.shape.kv_heads {
             let at = self.offset(layer, block, h, slot);
-            self.k[at..at + hd]
-                .reinterpret_cast_mut::<f16>()
-                .convert_from_f32_slice(&k[h * hd..(h + 1) * hd]);
-            self.v[at..at + hd]
-                .reinterpret_cast_mut::<f16>()
-                .convert_from_f32_slice(&v[h * hd..(h + 1) * hd]);
+            self.k.store(at, &k[h * hd..(h + 1) * hd]);
+            self.v.store(at, &v[h * hd..(h + 1) * hd]);
         }
     }
 
@@ -87,12 +98,15 @@ impl PagedKvCache {
     /// prefix-reuse detector must catch. Not for serving.
     #[doc(hidden)]
     pub fn scribble_block(&mut self, block: usize) {
-        let run = self.shape.block_size * self.shape.head_dim;
+        let hd = self.shape.head_dim;
         for layer in 0..self.shape.layers {
             for h in 0..self.shape.kv_heads {
-                let at = self.offset(layer, block, h, 0);
-                for (i, x) in self.k[at..at + run].iter_mut().enumerate() {
-                    *x = f16::from_f32(((i * 7919) % 13) as f32 - 6.0).to_bits();
+                for slot in 0..self.shape.block_size {
+                    let at = self.offset(layer, block, h, slot);
+                    let noise: Vec<f32> = (0..hd)
+                        .map(|i| (((slot * hd + i) * 7919) % 13) as f32 - 6.0)
+                        .collect();
+                    self.k.store(at, &noise);
                 }
             }
         }
@@ -185,9 +199,7 @@ impl PagedKvCache {
         for (b, &block) in blocks.clone() {
             let len = (max_ctx - b * bs).min(bs);
             let at = self.offset(layer, block as usize, kv_head, 0);
-            self.k[at..at + len * hd]
-                .reinterpret_cast::<f16>()
-                .convert_to_f32_slice(&mut scratch[..len * hd]);
+            self.k.widen(at, hd, &mut scratch[..len * hd]);
             for i in 0..n_tokens {
                 let limit = ctx(i).saturating_sub(b * bs).min(len);
                 for g in 0..group {
@@ -210,9 +222,7 @@ impl PagedKvCache {
         for (b, &block) in blocks {
             let len = (max_ctx - b * bs).min(bs);
             let at = self.offset(layer, block as usize, kv_head, 0);
-            self.v[at..at + len * hd]
-                .reinterpret_cast::<f16>()
-                .convert_to_f32_slice(&mut scratch[..len * hd]);
+            self.v.widen(at, hd, &mut scratch[..len * hd]);
             for i in 0..n_tokens {
                 let limit = ctx(i).saturating_sub(b * bs).min(len);
                 for g in 0..group {
@@ -233,6 +243,7 @@ impl PagedKvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
 
     #[test]
     fn attention_over_scattered_blocks_matches_dense_attention() {
@@ -335,5 +346,45 @@ mod tests {
             );
             assert_eq!(&tile[i * 8..(i + 1) * 8], &alone[..], "token {i}");
         }
+    }
+
+    #[test]
+    fn an_fp8_cache_attends_close_to_f16_in_about_half_the_bytes() {
+        let shape = AttentionShape {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 64,
+            block_size: 4,
+            num_blocks: 8,
+        };
+        let mut half_cache = PagedKvCache::new(shape);
+        let mut fp8 = PagedKvCache::with_element(shape, KvElement::Fp8E4m3);
+        let table = [5u32, 1, 3, 0];
+        let n_ctx = 13;
+        for p in 0..n_ctx {
+            // Magnitudes from 0.01 to 30, as keys after RoPE and values span.
+            let mag = 0.01 * 3f32.powi((p % 8) as i32);
+            let k: Vec<f32> = (0..64)
+                .map(|d| mag * ((p * 13 + d) as f32 * 0.7).sin())
+                .collect();
+            let v: Vec<f32> = (0..64).map(|d| ((p + d * 5) as f32 * 0.3).cos()).collect();
+            half_cache.write(0, table[p / 4] as usize, p % 4, &k, &v);
+            fp8.write(0, table[p / 4] as usize, p % 4, &k, &v);
+        }
+        let q: Vec<f32> = (0..64).map(|d| (d as f32 * 0.11).sin() * 0.2).collect();
+        let (mut a, mut b, mut scratch) = (vec![0f32; 64], vec![0f32; 64], Vec::new());
+        half_cache.attend_tile(0, &table, n_ctx - 1, 0, 1, &q, 0.125, &mut a, &mut scratch);
+        fp8.attend_tile(0, &table, n_ctx - 1, 0, 1, &q, 0.125, &mut b, &mut scratch);
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 0.05, "fp8 attention off by {worst}");
+        assert_ne!(a, b);
+        let ratio =
+            shape.bytes_per_token_as(KvElement::Fp8E4m3) as f64 / shape.bytes_per_token() as f64;
+        assert!((ratio - 68.0 / 128.0).abs() < 1e-9, "{ratio}");
+        assert_eq!(fp8.bytes() * 128, half_cache.bytes() * 68);
     }
 }

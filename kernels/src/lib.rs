@@ -16,6 +16,7 @@
 //! - [`matrix`]: weight matrices and the threaded `x · Wᵀ`.
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU, softmax.
 //! - [`attention`]: the paged KV cache and attention over a sequence's blocks.
+//! - [`kv_store`] and [`fp8`]: the cache's element types, f16 and FP8 E4M3 with per-token scales.
 //! - [`plan`]: a step laid out as flat arrays for a device (tiles, slots, packed block tables).
 //! - [`cuda_program`]: the CUDA C sources (`kernels/cuda/`) as one NVRTC program.
 //! - `gpu` (feature `cuda`): the device runtime — driver probe, NVRTC, kernel launches, cuBLAS.
@@ -23,13 +24,16 @@
 pub mod attention;
 pub mod cuda_program;
 pub mod dot;
+pub mod fp8;
 pub mod kquant;
+pub mod kv_store;
 pub mod matrix;
 pub mod ops;
 pub mod plan;
 pub mod quant;
 
 pub use attention::{AttentionShape, PagedKvCache};
+pub use kv_store::KvElement;
 pub use matrix::{matmul, matmul_many, Activations, Matrix, MatrixError, Stored};
 pub use plan::{SeqSlice, StepPlan};
 pub use quant::Format;

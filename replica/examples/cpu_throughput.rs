@@ -99,7 +99,8 @@ fn main() {
     let prefill = 1024.0 / t.elapsed().as_secs_f64();
     rig.drain();
     // Every weight page has been read; the KV cache holds ~1k tokens.
-    let kv_mib = (1056 * CpuBackend::kv_bytes_per_token(&w)) as f64 / (1 << 20) as f64;
+    let kv_mib = (1056 * CpuBackend::kv_bytes_per_token(&w, kernels::KvElement::F16)) as f64
+        / (1 << 20) as f64;
     let rss_loaded = rss_mib() - rss_before;
 
     // Decode at batch 1 and 16: 32-token prompts, then timed decode steps.

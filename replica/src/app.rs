@@ -269,6 +269,8 @@ struct RealModel {
     stop_token_ids: Vec<u32>,
     /// The served name when none is given: the file's stem.
     stem: String,
+    /// The KV cache's element type, as `/server_info` names it.
+    kv_cache_dtype: &'static str,
 }
 
 impl RealModel {
@@ -291,7 +293,7 @@ impl RealModel {
             served_model_name: cfg.served_model_name.clone().unwrap_or(self.stem),
             model_profile: format!("llama ({})", self.path.display()),
             device,
-            kv_cache_dtype: "f16",
+            kv_cache_dtype: self.kv_cache_dtype,
             stop_token_ids: self.stop_token_ids,
         }
     }
@@ -339,14 +341,20 @@ async fn load_real_model(cfg: &ReplicaConfig) -> Result<RealModel, BuildError> {
         tokenizer,
         stop_token_ids,
         stem,
+        kv_cache_dtype: kernels::KvElement::F16.name(),
     })
 }
 
 /// The real model on CPU.
 async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
-    let model = load_real_model(cfg).await?;
+    let mut model = load_real_model(cfg).await?;
     let (path, weights) = (model.path.clone(), model.weights.clone());
-    let per_token = CpuBackend::kv_bytes_per_token(&weights);
+    let elem = match cfg.kv_cache_dtype {
+        KvDtype::Auto => kernels::KvElement::F16,
+        KvDtype::Fp8 => kernels::KvElement::Fp8E4m3,
+    };
+    model.kv_cache_dtype = elem.name();
+    let per_token = CpuBackend::kv_bytes_per_token(&weights, elem);
     let num_blocks = match cfg.num_gpu_blocks {
         Some(n) => n,
         None => (cfg.kv_cache_mib << 20) / (per_token * cfg.block_size),
@@ -361,8 +369,9 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
     let threads = cfg.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
-    let mut backend = CpuBackend::new(weights.clone(), cfg.block_size, num_blocks, threads)
-        .map_err(|e| BuildError::Invalid(e.to_string()))?;
+    let mut backend =
+        CpuBackend::with_kv_element(weights.clone(), cfg.block_size, num_blocks, threads, elem)
+            .map_err(|e| BuildError::Invalid(e.to_string()))?;
     // Time one prefill chunk (and fault the weights in) before serving.
     let probe = cfg.max_num_batched_tokens.min(256);
     let (backend, rate) = tokio::task::spawn_blocking(move || {
@@ -377,6 +386,7 @@ async fn cpu_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
         kv_cache_mib = (num_blocks * cfg.block_size * per_token) >> 20,
         kv_blocks = num_blocks,
         kv_bytes_per_token = per_token,
+        kv_cache_dtype = elem.name(),
         threads,
         prefill_tokens_per_s = rate.round(),
         "cpu backend loaded"
@@ -398,6 +408,12 @@ async fn cuda_parts(cfg: &ReplicaConfig) -> Result<BackendParts, BuildError> {
     // Before anything touches CUDA: no driver or no GPU is a one-line refusal.
     crate::cuda::probe()
         .map_err(|e| BuildError::BackendUnavailable(format!("--backend cuda: {e}")))?;
+    if cfg.kv_cache_dtype != KvDtype::Auto {
+        return Err(BuildError::Invalid(
+            "--kv-dtype fp8 is not implemented on the cuda backend yet (the cpu backend has it)"
+                .into(),
+        ));
+    }
     if !(cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) {
         return Err(BuildError::Invalid(format!(
             "--gpu-memory-utilization must be in (0, 1], got {}",

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kernels::{AttentionShape, PagedKvCache};
+use kernels::{AttentionShape, KvElement, PagedKvCache};
 
 use crate::backend::{EngineBackend, LogitCapture, StepResult};
 use crate::model::{forward, LlamaWeights, SeqSlice};
@@ -36,31 +36,48 @@ pub struct ThreadError {
     reason: String,
 }
 
+impl ThreadError {
+    pub(crate) fn new(threads: usize, reason: String) -> Self {
+        ThreadError { threads, reason }
+    }
+}
+
 impl CpuBackend {
-    /// A backend over a KV cache of `num_blocks` blocks of `block_size` tokens, computing on
-    /// `threads` threads.
+    /// A backend over an f16 KV cache of `num_blocks` blocks of `block_size` tokens, computing
+    /// on `threads` threads.
     pub fn new(
         weights: Arc<LlamaWeights>,
         block_size: usize,
         num_blocks: usize,
         threads: usize,
     ) -> Result<Self, ThreadError> {
+        Self::with_kv_element(weights, block_size, num_blocks, threads, KvElement::F16)
+    }
+
+    /// The same over a cache of `elem` values (f16, or FP8 E4M3 with per-token scales).
+    pub fn with_kv_element(
+        weights: Arc<LlamaWeights>,
+        block_size: usize,
+        num_blocks: usize,
+        threads: usize,
+        elem: KvElement,
+    ) -> Result<Self, ThreadError> {
         let c = &weights.config;
-        let kv = PagedKvCache::new(AttentionShape {
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            block_size,
-            num_blocks,
-        });
+        let kv = PagedKvCache::with_element(
+            AttentionShape {
+                layers: c.layers,
+                kv_heads: c.kv_heads,
+                head_dim: c.head_dim,
+                block_size,
+                num_blocks,
+            },
+            elem,
+        );
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("kvgate-cpu-{i}"))
             .build()
-            .map_err(|e| ThreadError {
-                threads,
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| ThreadError::new(threads, e.to_string()))?;
         Ok(CpuBackend {
             weights,
             kv,
@@ -69,8 +86,8 @@ impl CpuBackend {
         })
     }
 
-    /// KV bytes per token for `weights` (sizing the cache before building it).
-    pub fn kv_bytes_per_token(weights: &LlamaWeights) -> usize {
+    /// KV bytes per token for `weights` stored as `elem` (sizing the cache before building it).
+    pub fn kv_bytes_per_token(weights: &LlamaWeights, elem: KvElement) -> usize {
         let c = &weights.config;
         AttentionShape {
             layers: c.layers,
@@ -79,7 +96,7 @@ impl CpuBackend {
             block_size: 1,
             num_blocks: 1,
         }
-        .bytes_per_token()
+        .bytes_per_token_as(elem)
     }
 
     pub fn weights(&self) -> &Arc<LlamaWeights> {

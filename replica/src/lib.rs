@@ -20,6 +20,7 @@ pub mod generate;
 pub mod http_util;
 pub mod info;
 pub mod kv_hub;
+pub mod kv_quality;
 pub mod metrics;
 pub mod model;
 pub mod profiles;

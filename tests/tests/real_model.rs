@@ -230,3 +230,76 @@ async fn the_cuda_backend_without_a_gpu_is_refused_in_one_line() {
         );
     }
 }
+
+/// `--kv-dtype fp8` on the real engine: the same MiB hold about 1.9× the blocks, /server_info
+/// says so, and greedy answers still come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fp8_kv_cache_holds_about_twice_the_tokens_and_still_answers() {
+    let f16 = start_replica(|c| cpu_replica(c, 1)).await;
+    let fp8 = start_replica(|c| {
+        cpu_replica(c, 1);
+        c.kv_cache_dtype = replica::roofline::KvDtype::Fp8;
+    })
+    .await;
+    let a = f16.get_json("/server_info").await;
+    let b = fp8.get_json("/server_info").await;
+    assert_eq!(a["kv_cache_dtype"], "f16");
+    assert_eq!(b["kv_cache_dtype"], "fp8_e4m3");
+    let ratio = b["num_gpu_blocks"].as_f64().unwrap() / a["num_gpu_blocks"].as_f64().unwrap();
+    // SmolLM2's heads are 64 wide: 64 + 4 bytes against 128.
+    assert!((ratio - 128.0 / 68.0).abs() < 0.02, "{ratio}: {a} {b}");
+    let q = json!({"model": MODEL, "temperature": 0, "max_tokens": 24,
+                   "messages": [{"role": "user", "content": "Name three colours."}]});
+    let v: Value = fp8
+        .post("/v1/chat/completions", q)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!text.trim().is_empty(), "{v}");
+}
+
+/// The long-generation quality check: an fp8 cache passes against f16, and a cache whose
+/// kernel forgets its scales on read fails with a non-zero exit. (96 generated tokens, not the
+/// default 2,048, so the agreement floor is the looser 0.9: five misses are 5%.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_quality_check_passes_fp8_and_fails_a_cache_that_drops_its_scales() {
+    let run = |dtype: &'static str| async move {
+        tokio::process::Command::new(kvgate_binary())
+            .args([
+                "kv-check",
+                "--kv-dtype",
+                dtype,
+                "--tokens",
+                "48",
+                "--prompts",
+                "2",
+            ])
+            .args(["--threads", "2", "--min-agreement", "0.9", "--model"])
+            .arg(model_file())
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .await
+            .unwrap()
+    };
+    let good = run("fp8").await;
+    let out = String::from_utf8_lossy(&good.stdout);
+    assert!(
+        good.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&good.stderr)
+    );
+    assert!(
+        out.contains("| KV bytes per token | 23040 | 12240 | 0.531 |"),
+        "{out}"
+    );
+    let bad = run("fp8-scales-dropped").await;
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert!(
+        stderr.contains("fails the quality check"),
+        "{stderr}{}",
+        String::from_utf8_lossy(&bad.stdout)
+    );
+}
