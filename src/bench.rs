@@ -10,7 +10,7 @@ use crate::floor::IdleReplica;
 #[derive(Args)]
 pub struct BenchArgs {
     /// Target base URL, or NAME=URL; repeat to compare targets in one interleaved run.
-    #[arg(long = "target", required_unless_present = "oracle_only")]
+    #[arg(long = "target", required_unless_present_any = ["oracle_only", "baseline"])]
     pub targets: Vec<String>,
     /// Model name sent in every request (the served name).
     #[arg(long, default_value = "Qwen3-8B")]
@@ -82,11 +82,37 @@ pub struct BenchArgs {
     /// end (TTFT budget plus the inter-token budget per further token).
     #[arg(long, default_value_t = 0.0)]
     pub unstreamed_share: f64,
+    /// Seeds for a recorded baseline (`--record-baseline`): every rate is run once per seed,
+    /// and the seeds' spread is the noise band a later comparison reads changes against.
+    #[arg(long, value_delimiter = ',')]
+    pub seeds: Vec<u64>,
+    /// Run the benchmark once per seed and rate against the one --target and write it, spec
+    /// and figures, as a baseline file for a later `--baseline`.
+    #[arg(long)]
+    pub record_baseline: Option<PathBuf>,
+    /// Re-run a recorded baseline's exact benchmark (its workload, seeds, rates, duration,
+    /// warm-up, SLO and unstreamed share; the flags for those are ignored) against --target
+    /// (default: the recorded URL) and compare: per metric the change, the seeds' range and
+    /// a verdict; the knee beside the old one; a non-zero exit when anything regressed.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
+    /// A metric's tolerance in a baseline comparison, METRIC=X (relative; absolute for
+    /// hit_ratio): ttft_p95 0.15, ttft_p99 0.25, itl_p95 0.15, itl_p99 0.25, goodput 0.05,
+    /// throughput 0.05, hit_ratio 0.02 unless given.
+    #[arg(long = "tolerance")]
+    pub tolerances: Vec<String>,
+    /// Free text stored in a recorded baseline (the build, the machine, the fleet).
+    #[arg(long, default_value = "")]
+    pub note: String,
 }
 
-pub async fn run_bench(a: BenchArgs) -> Result<()> {
-    use loadtest::run::{Slo, Workload};
-    let workload = match (a.workload.as_str(), &a.trace) {
+/// The workload a name (or a trace file) stands for.
+pub(crate) fn workload_of(
+    name: &str,
+    trace: Option<&std::path::Path>,
+) -> Result<loadtest::run::Workload> {
+    use loadtest::run::Workload;
+    Ok(match (name, trace) {
         ("trace", Some(p)) | (_, Some(p)) => {
             Workload::Trace(std::sync::Arc::new(loadtest::trace::Trace::load(p)?))
         }
@@ -94,7 +120,15 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         (w, None) => Workload::Generated(loadtest::workload::Kind::parse(w).ok_or_else(|| {
             anyhow!("--workload must be chat, agent, rag, mixed-tail, bursty, apps or trace")
         })?),
-    };
+    })
+}
+
+pub async fn run_bench(a: BenchArgs) -> Result<()> {
+    use loadtest::run::Slo;
+    if a.baseline.is_some() || a.record_baseline.is_some() {
+        return crate::bench_baseline::run(&a).await;
+    }
+    let workload = workload_of(&a.workload, a.trace.as_deref())?;
     let rates: Vec<f64> = match (a.rate, a.rates.is_empty()) {
         (Some(r), _) => vec![r],
         (None, true) => vec![2.0],

@@ -1,8 +1,9 @@
 //! The `kvgate` binary: it parses the command line and dispatches each subcommand to its own
-//! file (`gateway_cmd.rs`, `replica_cmd.rs`, `up.rs`, `bench.rs`, `export_tokenizer.rs`,
-//! `kv_check.rs`), which hands a validated configuration to its crate.
+//! file (`gateway_cmd.rs`, `replica_cmd.rs`, `up.rs`, `bench.rs` with `bench_baseline.rs`,
+//! `export_tokenizer.rs`, `kv_check.rs`), which hands a validated configuration to its crate.
 
 mod bench;
+mod bench_baseline;
 mod export_tokenizer;
 mod floor;
 mod gateway_cmd;
