@@ -125,9 +125,6 @@ pub(crate) fn workload_of(
 
 pub async fn run_bench(a: BenchArgs) -> Result<()> {
     use loadtest::run::Slo;
-    if a.baseline.is_some() || a.record_baseline.is_some() {
-        return crate::bench_baseline::run(&a).await;
-    }
     let workload = workload_of(&a.workload, a.trace.as_deref())?;
     let rates: Vec<f64> = match (a.rate, a.rates.is_empty()) {
         (Some(r), _) => vec![r],

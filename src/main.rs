@@ -106,7 +106,13 @@ fn run() -> Result<()> {
         Command::Bench(a) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?
-            .block_on(run_bench(a)),
+            .block_on(async {
+                if a.baseline.is_some() || a.record_baseline.is_some() {
+                    bench_baseline::run(&a).await
+                } else {
+                    run_bench(a).await
+                }
+            }),
         Command::ExportTokenizer(a) => run_export_tokenizer(a),
         Command::Capacity(a) => run_capacity(a),
         Command::KvCheck(a) => run_kv_check(a),

@@ -350,6 +350,9 @@ pub struct GatewayConfig {
     /// What the replicas cost: the live cost-per-million-tokens gauge (`crate::cost`).
     #[serde(default)]
     pub cost: crate::cost::CostConfig,
+    /// Tokenizer and chat-template drift checks (`crate::drift`).
+    #[serde(default)]
+    pub drift: crate::drift::DriftConfig,
     /// Replicas given as tables in `replicas` (`{ addr, backend, kv_events, kv_replay }`):
     /// their engine and where it publishes KV events. The table's `addr` is in `replicas`.
     #[serde(skip)]
@@ -524,6 +527,7 @@ impl GatewayConfig {
             discovery: DiscoveryConfig::default(),
             peers: crate::peers::PeersConfig::default(),
             cost: crate::cost::CostConfig::default(),
+            drift: crate::drift::DriftConfig::default(),
             engines: Vec::new(),
             session_header: default_session_header(),
             model: ModelConfig::default(),

@@ -5,6 +5,7 @@
 
 pub mod api_keys;
 pub mod cost;
+pub mod drift;
 pub mod error;
 pub mod fleet;
 pub mod gateway;

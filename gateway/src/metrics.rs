@@ -33,6 +33,8 @@ pub struct ReplicaMetrics {
     pub ttft_prediction_ratio: Histogram,
     /// Answers whose `usage.prompt_tokens` matched the gateway's count, and those that did not.
     pub prompt_checks: [Counter; 2],
+    /// Sampled prompts whose token ids matched the engine's `/tokenize`, and those that did not.
+    pub prompt_id_checks: [Counter; 2],
 }
 
 /// Buckets of observed ÷ predicted TTFT: 1 is a perfect prediction.
@@ -87,6 +89,11 @@ impl GatewayMetrics {
                 "kvgate_gateway_connections_closed_total",
                 "reason",
                 &["header_timeout", "header_too_large", "body_timeout"][..],
+            ),
+            (
+                "kvgate_gateway_prompt_samples_total",
+                "result",
+                &["written", "dropped"][..],
             ),
         ] {
             for v in values {
@@ -193,6 +200,14 @@ impl GatewayMetrics {
                 labels.push(Label::new("result", result));
                 r.register_counter(
                     &Key::from_parts("kvgate_gateway_prompt_token_checks_total", labels),
+                    &META,
+                )
+            }),
+            prompt_id_checks: ["match", "mismatch"].map(|result| {
+                let mut labels = l();
+                labels.push(Label::new("result", result));
+                r.register_counter(
+                    &Key::from_parts("kvgate_gateway_prompt_token_id_checks_total", labels),
                     &META,
                 )
             }),

@@ -35,6 +35,7 @@ use crate::metrics::GatewayMetrics;
 use crate::peers::{PeerPoller, Peers};
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::view::PrefixView;
+use crate::request::drift_sample::DriftSampler;
 use crate::request::prepare::{Preparer, Tokenizers};
 use crate::request::tokenizer_pool::PoolLimits;
 use crate::routes::fleet_gauges::FleetGauges;
@@ -138,7 +139,8 @@ pub async fn build_gateway(
         cfg.model.block_size,
         metrics.clone(),
         cfg.downstream.tokenizer_cache_mib << 20,
-    );
+    )
+    .with_drift(DriftSampler::new(&cfg.drift, &metrics)?);
     match preparer.chunk_support() {
         c if c.chunking && c.added_prefix.is_some() => tracing::info!(
             "tokeniser: long prompts are tokenised in pieces, a shared prefix once per tenant"

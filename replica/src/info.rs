@@ -58,6 +58,12 @@ struct TokenizeRequest {
     add_special_tokens: Option<bool>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
+    /// Tools the chat template renders (as in a chat completion).
+    #[serde(default)]
+    tools: Option<Vec<serde_json::Value>>,
+    /// Extra variables for the chat template (as in a chat completion).
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default)]
     return_token_strs: bool,
 }
@@ -90,8 +96,8 @@ pub async fn tokenize(state: Arc<AppState>, body: &[u8]) -> Result<Response<Body
                 let text = tok.apply_chat_template(
                     m,
                     req.add_generation_prompt.unwrap_or(true),
-                    None,
-                    None,
+                    req.tools.as_deref(),
+                    req.chat_template_kwargs.as_ref(),
                 )?;
                 Ok(tok.encode(&text, req.add_special_tokens.unwrap_or(false))?)
             }

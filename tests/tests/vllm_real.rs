@@ -202,6 +202,8 @@ async fn kvgate_routes_by_a_real_vllms_events() {
         c.model.name = MODEL.into();
         c.model.block_size = 32;
         c.model.tokenizer_dir = Some(tokenizer);
+        // Every request's token ids compared with vLLM's own /tokenize of the same messages.
+        c.drift.token_id_share = 1.0;
         common::exact_hit_signals(c);
     })
     .await;
@@ -236,6 +238,26 @@ async fn kvgate_routes_by_a_real_vllms_events() {
             .as_u64()
             .unwrap();
         assert_eq!(cached, predicted * 32, "stream={stream}: {usage}");
+    }
+    // The gateway's rendering and tokenizer are vLLM's, token id for token id.
+    let r = gw
+        .wait_admin("/admin/replicas", "token-id checks against vLLM", |v| {
+            v.as_array().is_some_and(|a| {
+                a.iter()
+                    .map(|r| {
+                        r["prompt_check"]["token_ids"]["checked"]
+                            .as_u64()
+                            .unwrap_or(0)
+                    })
+                    .sum::<u64>()
+                    >= 2
+            })
+        })
+        .await;
+    for rep in r.as_array().unwrap() {
+        let ids = &rep["prompt_check"]["token_ids"];
+        assert_eq!(ids["mismatched"], 0, "{ids}");
+        assert_eq!(ids["unsupported"], false, "{ids}");
     }
     // With the default (rounded) hit signals, a second gateway in front of the same engines
     // routes the same way but shows clients the cached tokens rounded down to 256, in the

@@ -69,6 +69,7 @@ impl GatewayConfig {
         );
         self.peers.check(&mut v);
         self.cost.check(&mut v);
+        self.drift.check(&mut v, &self.access_log.path);
         v.check(
             self.model.max_model_len != Some(0),
             "model.max_model_len",

@@ -112,11 +112,31 @@ impl FleetClient {
         path: &str,
         timeout: Duration,
     ) -> Result<Bytes, FetchError> {
-        let req = self.request(
-            http::Method::GET,
-            format!("http://{addr}{path}"),
-            Bytes::new(),
-        );
+        self.exchange(http::Method::GET, addr, path, Bytes::new(), timeout)
+            .await
+    }
+
+    /// POST the JSON `body` to `path` at `addr`; the answer as [`FleetClient::fetch`] gives it.
+    pub async fn post(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, FetchError> {
+        self.exchange(http::Method::POST, addr, path, body, timeout)
+            .await
+    }
+
+    async fn exchange(
+        &self,
+        method: http::Method,
+        addr: SocketAddr,
+        path: &str,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, FetchError> {
+        let req = self.request(method, format!("http://{addr}{path}"), body);
         let fut = async {
             let resp = self
                 .send(req)

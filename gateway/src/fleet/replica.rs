@@ -11,10 +11,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
+use bytes::Bytes;
 use parking_lot::RwLock;
 use policies::{LoadSignal, SpeedView};
 
 use crate::access_log::AccessRecord;
+use crate::fleet::client::FleetClient;
 use crate::fleet::latency_model::LatencyModel;
 use crate::fleet::prefill_queue::PrefillQueue;
 use crate::fleet::prompt_check::{PromptCheck, Verdict};
@@ -177,6 +179,39 @@ impl ReplicaHandle {
                  Prefix routing cannot match its cache until they agree"
             );
         }
+    }
+
+    /// Compares, off the request path, the token ids the gateway made of a sampled prompt
+    /// with the engine's own (`body` is what its `/tokenize` is asked; see [`PromptCheck`]);
+    /// counts the verdict and warns at the replica's first mismatch.
+    pub fn spawn_id_check(
+        self: &Arc<Self>,
+        client: FleetClient,
+        body: Bytes,
+        ids: Arc<[u32]>,
+        route: String,
+    ) {
+        let Some(addr) = self.addr() else {
+            return;
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            let check = &me.prompt_check;
+            let Some(v) = check.compare_ids(&client, addr, body, &ids, &route).await else {
+                return;
+            };
+            me.metrics().prompt_id_checks[usize::from(v != Verdict::Match)].increment(1);
+            if v == Verdict::FirstMismatch {
+                tracing::warn!(
+                    replica = %me.label(),
+                    route,
+                    "the engine tokenises this prompt into other token ids than the gateway \
+                     (same input, its /tokenize): is the gateway's tokenizer folder \
+                     (model.tokenizer_dir) and chat template the engine's? See prompt_check on \
+                     /admin/replicas"
+                );
+            }
+        });
     }
 
     /// Resolves when the replica is ejected after this call.

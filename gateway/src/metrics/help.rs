@@ -30,6 +30,14 @@ const COUNTERS: &[(&str, &str)] = &[
         "Answers whose usage.prompt_tokens was compared with the gateway's own count, by replica and result (match, mismatch: the gateway's tokenizer or chat template is not the engine's)",
     ),
     (
+        "kvgate_gateway_prompt_token_id_checks_total",
+        "Sampled prompts ([drift] token_id_share) whose token ids were compared with the engine's /tokenize of the same input, by replica and result (match, mismatch: the gateway's tokenizer or chat template is not the engine's)",
+    ),
+    (
+        "kvgate_gateway_prompt_samples_total",
+        "Rendered prompts sampled to [drift] prompt_sample_path: written, or dropped because the file's queue was full",
+    ),
+    (
         "kvgate_gateway_upstream_errors_total",
         "Unusable answers from a replica, by reason (5xx, not JSON, not SSE, bad event, past max_tokens or a size cap, stall)",
     ),

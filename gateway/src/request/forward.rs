@@ -455,6 +455,11 @@ impl Forwarder<'_> {
                 .relay(session, &mut ctx, head, &mut ejected, &mut aborted, rec)
                 .await;
             drop(in_flight);
+            if let (200, Some(probe)) = (status, &p.id_probe) {
+                let (body, ids) = (probe.body.clone(), probe.ids.clone());
+                let client = self.fleet.client().clone();
+                replica.spawn_id_check(client, body, ids, route.cfg.name.clone());
+            }
             return status;
         }
         rec.error = Some(last_error.body.error.message.clone());

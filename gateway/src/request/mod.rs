@@ -18,6 +18,7 @@
 
 pub mod admit;
 pub mod classify;
+pub mod drift_sample;
 pub mod explain;
 pub mod forward;
 pub mod json_check;

@@ -22,6 +22,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::metrics::GatewayMetrics;
+use crate::request::drift_sample::DriftSampler;
 use crate::request::prepared::{Caller, Endpoint, Prepared, PromptLimits};
 use crate::request::tokenizer_pool::{PoolLimits, TokenizerPool};
 
@@ -36,6 +37,8 @@ pub struct Preparer {
     pub model: String,
     pub block_size: usize,
     metrics: Arc<GatewayMetrics>,
+    /// Which requests are sampled for the drift checks (`[drift]`; off unless set).
+    drift: DriftSampler,
 }
 
 fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
@@ -78,7 +81,14 @@ impl Preparer {
             model,
             block_size,
             metrics,
+            drift: DriftSampler::default(),
         }
+    }
+
+    /// Samples requests for the drift checks as `drift` says.
+    pub fn with_drift(mut self, drift: DriftSampler) -> Self {
+        self.drift = drift;
+        self
     }
 
     /// Whether this tokenizer lets long prompts be tokenised in pieces (proven at load).
@@ -180,12 +190,13 @@ impl Preparer {
         };
         let view = Value::Object(doc);
         let limit = limits.per_prompt;
-        let (first, total, largest, stream, max_events) = match endpoint {
+        let (first, total, largest, stream, max_events, id_probe) = match endpoint {
             Endpoint::Completions => {
                 let r = CompletionRequest::deserialize(&view).map_err(invalid_json)?;
                 r.validate()?;
                 self.check_model(r.model.as_deref())?;
                 let mut first: Option<Vec<u32>> = None;
+                let mut probe = None;
                 let (mut total, mut largest, mut prompts) = (0usize, 0usize, 0u64);
                 // Every member is counted (the list is classified by its total); the first
                 // decides where the request goes.
@@ -193,13 +204,18 @@ impl Preparer {
                     let ids = match input {
                         PromptInput::Text(t) => {
                             let budget = limit.min(limits.per_request.saturating_sub(total));
-                            self.encode_bounded(&t, budget, |t| {
+                            let ids = self.encode_bounded(&t, budget, |t| {
                                 Ok(self.segments.encode_prompt_scoped(
                                     &self.tokenizer,
                                     t,
                                     salt.as_deref(),
                                 )?)
-                            })?
+                            })?;
+                            if first.is_none() {
+                                probe = self.drift.prompt_probe(&self.model, &t, &ids);
+                                self.drift.sample_prompt(endpoint, &t, ids.len());
+                            }
+                            ids
                         }
                         PromptInput::Tokens(ids) if ids.len() > limit => {
                             self.refused("exact");
@@ -227,7 +243,7 @@ impl Preparer {
                 })?;
                 let choices = prompts * u64::from(r.sampling.n.unwrap_or(1).max(1));
                 let events = r.max_tokens.map(|m| u64::from(m) * choices);
-                (first, total, largest, r.stream, events)
+                (first, total, largest, r.stream, events, probe)
             }
             Endpoint::ChatCompletions => {
                 let r = ChatCompletionRequest::deserialize(&view).map_err(invalid_json)?;
@@ -245,9 +261,11 @@ impl Preparer {
                         .encode_scoped(&self.tokenizer, t, salt.as_deref())?)
                 })?;
                 let n = ids.len();
+                let probe = self.drift.chat_probe(&self.model, &r, &ids);
+                self.drift.sample_prompt(endpoint, &text, n);
                 let choices = u64::from(r.sampling.n.unwrap_or(1).max(1));
                 let events = r.max_tokens().map(|m| u64::from(m) * choices);
-                (ids, n, n, r.stream, events)
+                (ids, n, n, r.stream, events, probe)
             }
         };
         let doc = match view {
@@ -267,6 +285,7 @@ impl Preparer {
             session_id: caller.session_id.clone(),
             max_token_events: max_events,
             tokenize_seconds,
+            id_probe,
             doc: Arc::new(doc),
         })
     }

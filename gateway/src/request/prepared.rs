@@ -10,6 +10,14 @@ use serde_json::Value;
 
 use crate::prefix::view::PromptBlocks;
 
+/// What a replica's `/tokenize` is asked, and the ids the gateway made of the same input
+/// (a request sampled for the token-id drift check, `request/drift_sample.rs`).
+#[derive(Debug)]
+pub struct IdProbe {
+    pub body: Bytes,
+    pub ids: Arc<[u32]>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Completions,
@@ -63,6 +71,8 @@ pub struct Prepared {
     /// each prompt of a list); `None` when the request sets no `max_tokens`.
     pub max_token_events: Option<u64>,
     pub tokenize_seconds: f64,
+    /// Sampled for the token-id drift check: what to ask the replica's `/tokenize`.
+    pub id_probe: Option<Arc<IdProbe>>,
     /// The body as it is forwarded: the client's `priority` removed, the tenant's salt in
     /// `cache_salt`; [`Prepared::body_for`] adds the route's engine priority.
     pub(crate) doc: Arc<serde_json::Map<String, Value>>,

@@ -57,6 +57,7 @@ fn fleet() -> Fleet {
         session_id: None,
         max_token_events: None,
         tokenize_seconds: 0.0,
+        id_probe: None,
         doc: Arc::new(serde_json::Map::new()),
     };
     Fleet {

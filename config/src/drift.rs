@@ -1,0 +1,79 @@
+//! `[drift]`: the gateway's checks that its tokenizer and chat template are the engine's (the
+//! runbook's failure that produces no error), beyond the count every answer's usage allows.
+//!
+//! ```toml
+//! [drift]
+//! token_id_share = 0.02        # share of requests whose token ids are compared with the
+//!                              # engine's own (its /tokenize: kvgate replicas, vLLM); 0: off
+//! prompt_sample_share = 0.0    # share of rendered prompts written to prompt_sample_path
+//! prompt_sample_path = "/var/log/kvgate/prompts.jsonl"
+//! ```
+//!
+//! Rendered prompts are users' text: the sample file is off by default, is a file of its own
+//! (never the access log), and its lines carry no tenant, key, session or request id, so it
+//! cannot be joined with the access log's tenants.
+
+use serde::Deserialize;
+
+use crate::error::Validator;
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DriftConfig {
+    /// Share of requests (0–1) whose prompt token ids are compared with the engine's.
+    #[serde(default = "default_id_share")]
+    pub token_id_share: f64,
+    /// Share of requests (0–1) whose rendered prompt is written to `prompt_sample_path`.
+    #[serde(default)]
+    pub prompt_sample_share: f64,
+    /// JSON-lines file the sampled rendered prompts are appended to (sensitive).
+    #[serde(default)]
+    pub prompt_sample_path: Option<String>,
+}
+
+impl Default for DriftConfig {
+    fn default() -> Self {
+        DriftConfig {
+            token_id_share: default_id_share(),
+            prompt_sample_share: 0.0,
+            prompt_sample_path: None,
+        }
+    }
+}
+
+fn default_id_share() -> f64 {
+    0.02
+}
+
+impl DriftConfig {
+    pub(crate) fn check(&self, v: &mut Validator, access_log_path: &str) {
+        for (field, x) in [
+            ("drift.token_id_share", self.token_id_share),
+            ("drift.prompt_sample_share", self.prompt_sample_share),
+        ] {
+            v.check(
+                (0.0..=1.0).contains(&x),
+                field,
+                x,
+                "must be a share between 0 and 1",
+            );
+        }
+        if self.prompt_sample_share > 0.0 {
+            match self.prompt_sample_path.as_deref() {
+                None | Some("") => v.check(
+                    false,
+                    "drift.prompt_sample_path",
+                    "(unset)",
+                    "must name a file when drift.prompt_sample_share is above 0",
+                ),
+                Some(p) => v.check(
+                    p != "-" && p != access_log_path,
+                    "drift.prompt_sample_path",
+                    format!("{p:?}"),
+                    "must be a file of its own: not standard output, not the access log \
+                     (rendered prompts never sit beside tenant ids)",
+                ),
+            }
+        }
+    }
+}
