@@ -77,3 +77,27 @@ impl DriftConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::gateway::GatewayConfig;
+
+    #[test]
+    fn rendered_prompts_never_share_the_access_logs_file() {
+        let mut c = GatewayConfig::with_replicas(vec!["127.0.0.1:8001".into()]);
+        c.drift.prompt_sample_share = 0.1;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("drift.prompt_sample_path"), "{e}");
+        c.access_log.path = "/var/log/kvgate/access.jsonl".into();
+        c.drift.prompt_sample_path = Some(c.access_log.path.clone());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("not the access log"), "{e}");
+        c.drift.prompt_sample_path = Some("-".into());
+        assert!(c.validate().is_err());
+        c.drift.prompt_sample_path = Some("/var/log/kvgate/prompts.jsonl".into());
+        c.validate().unwrap();
+        c.drift.token_id_share = 1.5;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("drift.token_id_share"), "{e}");
+    }
+}
