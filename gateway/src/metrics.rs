@@ -35,6 +35,8 @@ pub struct ReplicaMetrics {
     pub prompt_checks: [Counter; 2],
     /// Sampled prompts whose token ids matched the engine's `/tokenize`, and those that did not.
     pub prompt_id_checks: [Counter; 2],
+    /// Share of the last minute with work in its batch.
+    pub busy_share: Gauge,
 }
 
 /// Buckets of observed ÷ predicted TTFT: 1 is a perfect prediction.
@@ -203,6 +205,10 @@ impl GatewayMetrics {
                     &META,
                 )
             }),
+            busy_share: r.register_gauge(
+                &Key::from_parts("kvgate_gateway_replica_busy_share", l()),
+                &META,
+            ),
             prompt_id_checks: ["match", "mismatch"].map(|result| {
                 let mut labels = l();
                 labels.push(Label::new("result", result));

@@ -54,6 +54,9 @@ pub struct EngineStats {
     /// Tokens generated since start (on `/get_load`, so a gateway measures the replica's
     /// throughput whatever share of its traffic it sent).
     pub generated: AtomicU64,
+    /// Microseconds spent in steps since start: time with work in the batch (on `/get_load`
+    /// as `busy_seconds`, the gateway's utilisation gauge).
+    pub busy_us: AtomicU64,
 }
 
 impl EngineStats {
@@ -414,6 +417,9 @@ impl Engine {
         self.virtual_end = Some(deadline);
         let now = Instant::now();
         ReplicaMetrics::observe(&self.metrics.step_seconds, now - start);
+        self.stats
+            .busy_us
+            .fetch_add((now - start).as_micros() as u64, Ordering::Relaxed);
         self.hub.publish(events);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
 

@@ -233,6 +233,7 @@ pub fn get_load(state: &AppState) -> Response<Body> {
             "kv_cache_usage": s.kv_usage(),
             "preemptions": s.preemptions.load(Relaxed),
             "generation_tokens": s.generated.load(Relaxed),
+            "busy_seconds": s.busy_us.load(Relaxed) as f64 / 1e6,
         }]),
     )
 }

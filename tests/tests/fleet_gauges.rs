@@ -1,5 +1,5 @@
-//! The autoscaling signal and the cost gauge, end to end: a real gateway in front of a real
-//! sim replica, priced in `[cost]`.
+//! The autoscaling signal, the cost gauge and the utilisation gauges, end to end: a real
+//! gateway in front of a real sim replica, priced in `[cost]`.
 
 mod common;
 
@@ -78,4 +78,15 @@ async fn cost_per_mtok_is_priced_on_the_replicas_measured_throughput() {
         "per-route series missing"
     );
     assert!(route.contains("kvgate_gateway_route_scale_signal{route="));
+    // The replica was busy most of the time the requests ran back to back: its busy share
+    // (its step time per second, from /get_load's busy_seconds) and the fleet's mean show it.
+    let labelled = |text: &str, prefix: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let busy = labelled(&route, "kvgate_gateway_replica_busy_share{").unwrap();
+    let fleet = labelled(&route, "kvgate_gateway_fleet_busy_share{window=\"1m\"}").unwrap();
+    assert!(busy > 0.1 && busy <= 1.0, "busy share {busy}");
+    assert!((fleet - busy).abs() < 0.2, "fleet {fleet}, replica {busy}");
 }

@@ -120,9 +120,11 @@ impl Registry {
             if let Some(p) = l.preemptions {
                 self.note_preemptions(r, p);
             }
+            let now = std::time::Instant::now();
             if let Some(t) = l.generation_tokens {
-                r.throughput.sample(std::time::Instant::now(), t);
+                r.throughput.sample(now, t);
             }
+            r.busy.sample(now, r.busy_clock.tick(now, l.running > 0));
             r.finished_at_poll.store(finished_before, Ordering::Relaxed);
             return;
         }
@@ -151,9 +153,16 @@ impl Registry {
         if let Some(p) = first.get("preemptions").and_then(|x| x.as_u64()) {
             self.note_preemptions(r, p);
         }
+        let now = std::time::Instant::now();
         if let Some(t) = first.get("generation_tokens").and_then(|x| x.as_u64()) {
-            r.throughput.sample(std::time::Instant::now(), t);
+            r.throughput.sample(now, t);
         }
+        // kvgate's own busy time; an engine without it (SGLang) is estimated from the polls.
+        let busy = match first.get("busy_seconds").and_then(|x| x.as_f64()) {
+            Some(s) => (s * 1e6) as u64,
+            None => r.busy_clock.tick(now, total > waiting),
+        };
+        r.busy.sample(now, busy);
         r.finished_at_poll.store(finished_before, Ordering::Relaxed);
     }
 

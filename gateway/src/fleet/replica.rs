@@ -20,7 +20,7 @@ use crate::fleet::client::FleetClient;
 use crate::fleet::latency_model::LatencyModel;
 use crate::fleet::prefill_queue::PrefillQueue;
 use crate::fleet::prompt_check::{PromptCheck, Verdict};
-use crate::fleet::throughput::Throughput;
+use crate::fleet::throughput::{BusyClock, Throughput};
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 
 pub struct ReplicaHandle {
@@ -95,6 +95,10 @@ pub struct ReplicaHandle {
     pub prompt_check: PromptCheck,
     /// Its generated-token counter as polled: measured tokens per second.
     pub throughput: Throughput,
+    /// Its busy microseconds counter, sampled like `throughput`: the utilisation gauge.
+    pub busy: Throughput,
+    /// The busy counter made from polls, for engines that report none (vLLM).
+    pub busy_clock: BusyClock,
 }
 
 impl ReplicaHandle {
@@ -138,6 +142,8 @@ impl ReplicaHandle {
             ejections: tokio::sync::watch::Sender::new(0),
             prompt_check: PromptCheck::default(),
             throughput: Throughput::default(),
+            busy: Throughput::default(),
+            busy_clock: BusyClock::default(),
         }
     }
 

@@ -2,6 +2,10 @@
 //! vLLM's `vllm:generation_tokens_total`), sampled at every load poll and turned into tokens
 //! per second over a sliding window. The replica's counter, not what this gateway relayed, so
 //! the figure is the replica's whole output however many gateways share it.
+//!
+//! The same sliding rate turns a busy-time counter into the replica's utilisation: kvgate
+//! replicas count the microseconds their steps took (`busy_seconds` on `/get_load`); for an
+//! engine that counts none (vLLM), [`BusyClock`] makes one from the polls.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -53,9 +57,45 @@ impl Throughput {
     }
 }
 
+/// A busy-time counter made from load polls, for engines that report none: each poll that
+/// finds requests running counts the time since the previous poll as busy (so the share is
+/// exact to within one poll interval at each edge of a busy period).
+#[derive(Debug, Default)]
+pub struct BusyClock {
+    last: Mutex<Option<(Instant, u64)>>,
+}
+
+impl BusyClock {
+    /// Notes a poll at `at` that found work (`busy`) or none; returns busy microseconds so far.
+    pub fn tick(&self, at: Instant, busy: bool) -> u64 {
+        let mut last = self.last.lock();
+        let total = match *last {
+            Some((t, c)) if busy => c + at.saturating_duration_since(t).as_micros() as u64,
+            Some((_, c)) => c,
+            None => 0,
+        };
+        *last = Some((at, total));
+        total
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn polls_that_find_work_count_their_interval_as_busy() {
+        let (c, t) = (BusyClock::default(), Throughput::default());
+        let t0 = Instant::now();
+        // Busy one poll in four, polls every 250 ms, for 20 s: a quarter of the time.
+        for i in 0..=80u64 {
+            let at = t0 + Duration::from_millis(250 * i);
+            t.sample(at, c.tick(at, i % 4 == 0));
+        }
+        let share = t.tokens_per_s(t0 + Duration::from_secs(20), Duration::from_secs(60)).unwrap()
+            / 1e6;
+        assert!((share - 0.25).abs() < 0.02, "{share}");
+    }
 
     #[test]
     fn rate_over_the_window_and_a_restart_starts_again() {

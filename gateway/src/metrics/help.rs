@@ -34,6 +34,14 @@ const COUNTERS: &[(&str, &str)] = &[
         "Sampled prompts ([drift] token_id_share) whose token ids were compared with the engine's /tokenize of the same input, by replica and result (match, mismatch: the gateway's tokenizer or chat template is not the engine's)",
     ),
     (
+        "kvgate_gateway_replica_busy_share",
+        "Share of the last minute the replica had work in its batch (kvgate replicas: their step time; vLLM and SGLang: polls that found requests running)",
+    ),
+    (
+        "kvgate_gateway_fleet_busy_share",
+        "Mean busy share of the healthy replicas over the window (1m, 10m): the runbook's average utilisation, the largest lever on cost per token",
+    ),
+    (
         "kvgate_gateway_prompt_samples_total",
         "Rendered prompts sampled to [drift] prompt_sample_path: written, or dropped because the file's queue was full",
     ),

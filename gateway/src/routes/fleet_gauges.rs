@@ -1,4 +1,4 @@
-//! The fleet's two live gauges, refreshed every second:
+//! The fleet's live gauges, refreshed every second:
 //!
 //! - **The autoscaling signal** (`kvgate_gateway_scale_signal`; scale out above 1.0: the
 //!   90th percentile of the last minute's per-second readings), from leading indicators
@@ -18,6 +18,10 @@
 //!   own counters measured over `cost.window_s` — the capacity note's formula, live. Replicas
 //!   that report no token counter (SGLang's `/get_load` has none) are left out of both sums.
 //!   `kvgate_gateway_managed_cost_per_mtok` carries the managed-API price beside it.
+//! - **Utilisation** (`kvgate_gateway_replica_busy_share` per replica over the last minute,
+//!   `kvgate_gateway_fleet_busy_share{window="1m"|"10m"}` the healthy replicas' mean): the share
+//!   of time with work in the batch, from each replica's busy-time counter
+//!   (`fleet/throughput.rs`).
 
 use std::time::{Duration, Instant};
 
@@ -145,6 +149,7 @@ impl FleetGauges {
         metrics
             .gauge("kvgate_gateway_scale_signal")
             .set(self.peak(Instant::now(), fleet_signal));
+        busy_shares(fleet, metrics);
         if self.cost.gpu_hour_usd.is_none() && self.cost.replica_hour_usd.is_empty() {
             return;
         }
@@ -177,6 +182,29 @@ impl FleetGauges {
         metrics
             .gauge("kvgate_gateway_fleet_cost_per_mtok")
             .set(price(&mut (0..measured.len())));
+    }
+}
+
+/// The utilisation gauges: each replica's busy share over the last minute, and the healthy
+/// replicas' mean over one and ten minutes (replicas without two samples yet left out).
+fn busy_shares(fleet: &Registry, metrics: &GatewayMetrics) {
+    let now = Instant::now();
+    for (label, window) in [("1m", 60), ("10m", 600)] {
+        let window = Duration::from_secs(window);
+        let mut shares = Vec::new();
+        for r in fleet.replicas().iter().filter(|r| r.is_healthy()) {
+            let Some(us_per_s) = r.busy.tokens_per_s(now, window) else {
+                continue;
+            };
+            let share = (us_per_s / 1e6).clamp(0.0, 1.0);
+            if label == "1m" {
+                r.metrics().busy_share.set(share);
+            }
+            shares.push(share);
+        }
+        metrics
+            .gauge_with("kvgate_gateway_fleet_busy_share", &[("window", label)])
+            .set(mean(&shares).unwrap_or(f64::NAN));
     }
 }
 
