@@ -92,7 +92,9 @@ mod tests {
             let at = t0 + Duration::from_millis(250 * i);
             t.sample(at, c.tick(at, i % 4 == 0));
         }
-        let share = t.tokens_per_s(t0 + Duration::from_secs(20), Duration::from_secs(60)).unwrap()
+        let share = t
+            .tokens_per_s(t0 + Duration::from_secs(20), Duration::from_secs(60))
+            .unwrap()
             / 1e6;
         assert!((share - 0.25).abs() < 0.02, "{share}");
     }
