@@ -25,19 +25,9 @@ const PROMPTS: [&str; 8] = [
     "Write a detailed history of the bicycle from its invention to today.",
 ];
 
-/// The fixed text scored under both caches (about 600 tokens for common tokenizers).
-const TEXT: &str = "Prefix caching keeps the attention keys and values of a shared \
-prompt in paged blocks, so a second request that starts the same way skips most of its prefill. \
-A router that knows which replica holds which prefix can send each conversation back to the \
-cache that already knows it, while a load guard keeps any one replica from becoming a hot spot. \
-Below the knee of the throughput curve each extra user is nearly free, because the GPU is \
-waiting on memory anyway; above it, every extra user slows everyone down. Chunked prefill \
-slices a long prompt and interleaves it with the decodes already running, so nobody's stream \
-freezes while a large document is read. When more work is admitted than the cache can hold, \
-the scheduler preempts sequences and recomputes them later, and throughput falls while latency \
-climbs: the answer is to admit less, queue briefly and serve well. Goodput counts only the \
-tokens that met their latency promise, and it is the number worth watching on the dashboard.\n\n\
-The river town woke slowly that spring. Fishermen pushed their boats from the muddy bank before \
+/// The fixed text scored under both caches, after the sim's corpus (about 600 tokens together
+/// for common tokenizers).
+const MORE_TEXT: &str = "The river town woke slowly that spring. Fishermen pushed their boats from the muddy bank before \
 the sun had cleared the hills, and the baker on the square lit her oven while the streets were \
 still blue with shadow. By seven the market stalls were up: onions and early lettuce, cheeses \
 wrapped in cloth, a table of second-hand books whose owner read more than he sold. Children ran \
@@ -148,7 +138,7 @@ pub fn run_kv_check(a: KvCheckArgs) -> Result<()> {
         Some(f) => {
             std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
         }
-        None => TEXT.to_string(),
+        None => format!("{}\n\n{MORE_TEXT}", replica::sim::CORPUS.trim_end()),
     };
     let text = tok.encode(&text, true)?;
     if text.len() < 2 {

@@ -172,6 +172,14 @@ impl GatewayMetrics {
                 Label::new("address", address.to_string()),
             ]
         };
+        // A check's counters by result: match, mismatch.
+        let results = |name: &'static str| {
+            ["match", "mismatch"].map(|result| {
+                let mut labels = l();
+                labels.push(Label::new("result", result));
+                r.register_counter(&Key::from_parts(name, labels), &META)
+            })
+        };
         ReplicaMetrics {
             healthy: r.register_gauge(
                 &Key::from_parts("kvgate_gateway_replica_healthy", l()),
@@ -197,26 +205,12 @@ impl GatewayMetrics {
                 &Key::from_parts("kvgate_gateway_replica_kv_events_live", l()),
                 &META,
             ),
-            prompt_checks: ["match", "mismatch"].map(|result| {
-                let mut labels = l();
-                labels.push(Label::new("result", result));
-                r.register_counter(
-                    &Key::from_parts("kvgate_gateway_prompt_token_checks_total", labels),
-                    &META,
-                )
-            }),
+            prompt_checks: results("kvgate_gateway_prompt_token_checks_total"),
             busy_share: r.register_gauge(
                 &Key::from_parts("kvgate_gateway_replica_busy_share", l()),
                 &META,
             ),
-            prompt_id_checks: ["match", "mismatch"].map(|result| {
-                let mut labels = l();
-                labels.push(Label::new("result", result));
-                r.register_counter(
-                    &Key::from_parts("kvgate_gateway_prompt_token_id_checks_total", labels),
-                    &META,
-                )
-            }),
+            prompt_id_checks: results("kvgate_gateway_prompt_token_id_checks_total"),
         }
     }
 

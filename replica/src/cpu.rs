@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kernels::{AttentionShape, KvElement, PagedKvCache};
+use kernels::{KvElement, PagedKvCache};
 
 use crate::backend::{EngineBackend, LogitCapture, StepResult};
 use crate::model::{forward, LlamaWeights, SeqSlice};
@@ -62,15 +62,8 @@ impl CpuBackend {
         threads: usize,
         elem: KvElement,
     ) -> Result<Self, ThreadError> {
-        let c = &weights.config;
         let kv = PagedKvCache::with_element(
-            AttentionShape {
-                layers: c.layers,
-                kv_heads: c.kv_heads,
-                head_dim: c.head_dim,
-                block_size,
-                num_blocks,
-            },
+            weights.config.attention_shape(block_size, num_blocks),
             elem,
         );
         let pool = rayon::ThreadPoolBuilder::new()
@@ -88,15 +81,10 @@ impl CpuBackend {
 
     /// KV bytes per token for `weights` stored as `elem` (sizing the cache before building it).
     pub fn kv_bytes_per_token(weights: &LlamaWeights, elem: KvElement) -> usize {
-        let c = &weights.config;
-        AttentionShape {
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            block_size: 1,
-            num_blocks: 1,
-        }
-        .bytes_per_token_as(elem)
+        weights
+            .config
+            .attention_shape(1, 1)
+            .bytes_per_token_as(elem)
     }
 
     pub fn weights(&self) -> &Arc<LlamaWeights> {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use kernels::KvElement;
-use kernels::{AttentionShape, PagedKvCache};
+use kernels::PagedKvCache;
 
 use crate::cpu::ThreadError;
 use crate::model::{forward, LlamaWeights, SeqSlice};
@@ -110,16 +110,7 @@ fn run_pass(
         .iter()
         .map(|p| (p.prompt.len() + p.steps + 1).div_ceil(BLOCK))
         .collect();
-    let mut kv = PagedKvCache::with_element(
-        AttentionShape {
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            block_size: BLOCK,
-            num_blocks: per_seq.iter().sum(),
-        },
-        elem,
-    );
+    let mut kv = PagedKvCache::with_element(c.attention_shape(BLOCK, per_seq.iter().sum()), elem);
     let mut first = 0u32;
     let tables: Vec<Vec<u32>> = per_seq
         .iter()
@@ -255,13 +246,7 @@ pub fn check(
         .zip(&free.outcomes)
         .map(|(r, c)| r.fed.iter().zip(&c.fed).position(|(a, b)| a != b))
         .collect();
-    let shape = AttentionShape {
-        layers: weights.config.layers,
-        kv_heads: weights.config.kv_heads,
-        head_dim: weights.config.head_dim,
-        block_size: 1,
-        num_blocks: 1,
-    };
+    let shape = weights.config.attention_shape(1, 1);
     Ok(QualityReport {
         reference: CacheFigures {
             element: KvElement::F16.name(),

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kernels::gpu::{Gpu, GpuError};
-use kernels::{AttentionShape, SeqSlice};
+use kernels::SeqSlice;
 
 use crate::backend::{EngineBackend, LogitCapture, StepResult};
 use crate::model::LlamaWeights;
@@ -114,16 +114,7 @@ impl CudaBackend {
                 gpu.name()
             )));
         }
-        let kv = DeviceKvCache::new(
-            &gpu,
-            AttentionShape {
-                layers: c.layers,
-                kv_heads: c.kv_heads,
-                head_dim: c.head_dim,
-                block_size,
-                num_blocks,
-            },
-        )?;
+        let kv = DeviceKvCache::new(&gpu, c.attention_shape(block_size, num_blocks))?;
         let rows = max_seqs.max(1);
         Ok(CudaBackend {
             sampled: gpu.zeros(rows)?,

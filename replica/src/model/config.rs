@@ -2,6 +2,7 @@
 //! `config.json`.
 
 use kernels::ops::Rope;
+use kernels::AttentionShape;
 use protocol::gguf::GgufHeader;
 use serde_json::Value;
 
@@ -23,6 +24,17 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// The paged KV cache's shape for this model: `num_blocks` blocks of `block_size` tokens.
+    pub fn attention_shape(&self, block_size: usize, num_blocks: usize) -> AttentionShape {
+        AttentionShape {
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size,
+            num_blocks,
+        }
+    }
+
     /// Checks the shape is one the forward pass can run.
     pub fn validate(&self, source: &str) -> Result<(), LoadError> {
         let bad = |what: String| LoadError::Unsupported {
