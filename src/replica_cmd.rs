@@ -25,7 +25,8 @@ pub struct ModelArgs {
     /// GPU profile: h100, h200, a100, l4.
     #[arg(long, default_value = "h100")]
     pub gpu: String,
-    /// KV cache element type: auto (bf16) or fp8.
+    /// KV cache element type: auto (the model's: bf16 on sim, f16 on cpu and cuda) or fp8
+    /// (E4M3; fp8_e5m2 is priced alike on sim and stored as E4M3 on cpu).
     #[arg(long = "kv-dtype", alias = "kv-cache-dtype", default_value = "auto")]
     pub kv_dtype: String,
     /// Fraction of GPU memory the engine may use.

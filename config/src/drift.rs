@@ -67,15 +67,35 @@ impl DriftConfig {
                     "must name a file when drift.prompt_sample_share is above 0",
                 ),
                 Some(p) => v.check(
-                    p != "-" && p != access_log_path,
+                    p != "-"
+                        && !p.starts_with("/dev/")
+                        && !p.starts_with("/proc/")
+                        && !same_file(p, access_log_path),
                     "drift.prompt_sample_path",
                     format!("{p:?}"),
-                    "must be a file of its own: not standard output, not the access log \
-                     (rendered prompts never sit beside tenant ids)",
+                    "must be a file of its own: not standard output or a device, not the \
+                     access log (rendered prompts never sit beside tenant ids)",
                 ),
             }
         }
     }
+}
+
+/// Whether two paths name the same file: equal as written, or equal once their folders are
+/// resolved (`/var/log/./a` and `/var/log/a`, links included).
+fn same_file(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    let resolve = |p: &str| {
+        let p = std::path::Path::new(p);
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        Some(std::fs::canonicalize(dir).ok()?.join(p.file_name()?))
+    };
+    matches!((resolve(a), resolve(b)), (Some(x), Some(y)) if x == y)
 }
 
 #[cfg(test)]
@@ -94,6 +114,12 @@ mod tests {
         assert!(e.contains("not the access log"), "{e}");
         c.drift.prompt_sample_path = Some("-".into());
         assert!(c.validate().is_err());
+        c.drift.prompt_sample_path = Some("/dev/stdout".into());
+        assert!(c.validate().is_err());
+        let tmp = std::env::temp_dir().display().to_string();
+        c.access_log.path = format!("{tmp}/kvgate-access.jsonl");
+        c.drift.prompt_sample_path = Some(format!("{tmp}/./kvgate-access.jsonl"));
+        assert!(c.validate().is_err(), "the same file spelt differently");
         c.drift.prompt_sample_path = Some("/var/log/kvgate/prompts.jsonl".into());
         c.validate().unwrap();
         c.drift.token_id_share = 1.5;

@@ -150,6 +150,11 @@ pub async fn record(
             base: b,
         };
         let rep = compare_runs(&cs, |_| None, |r| on_run(r, seed)).await;
+        // A cache that was not flushed makes runs incomparable (a warm cache reads as an
+        // improved hit ratio): say so loudly.
+        for e in &rep.flush_errors {
+            eprintln!("WARNING: flush failed, this run started warm: {e}");
+        }
         runs.extend(rep.runs.iter().map(|r| RunFigures::of(r, seed)));
         knees.push(rep.knees.first().and_then(|k| k.rate));
     }

@@ -136,11 +136,15 @@ fn run_pass(
     let (mut decoded, started) = (0usize, Instant::now());
     for step in 0..steps {
         let mut feed = Vec::new();
+        // The previous forward's rows are the sequences still running, in order (a sequence
+        // on its last step reads its row but is not fed again).
+        let mut row = 0;
         for (s, p) in plans.iter().enumerate() {
             if step >= p.steps {
                 continue;
             }
-            let l = &logits[feed.len()];
+            let l = &logits[row];
+            row += 1;
             let greedy = argmax(l);
             let fed = p.forced.map_or(greedy, |f| f[step]);
             let o = &mut outcomes[s];
@@ -298,6 +302,16 @@ mod tests {
         assert_eq!(r.text_logprob_delta, 0.0);
         assert_eq!(r.perplexity_increase(), 0.0);
         assert_eq!(r.first_divergence, vec![None, None]);
+    }
+
+    #[test]
+    fn the_texts_score_does_not_depend_on_how_long_the_generations_run() {
+        let w = model();
+        let mut p = plan();
+        let a = check(&w, KvElement::F16, &p).unwrap().reference.text_perplexity;
+        p.tokens = 7;
+        let b = check(&w, KvElement::F16, &p).unwrap().reference.text_perplexity;
+        assert_eq!(a, b);
     }
 
     #[test]
