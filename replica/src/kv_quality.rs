@@ -308,9 +308,15 @@ mod tests {
     fn the_texts_score_does_not_depend_on_how_long_the_generations_run() {
         let w = model();
         let mut p = plan();
-        let a = check(&w, KvElement::F16, &p).unwrap().reference.text_perplexity;
+        let a = check(&w, KvElement::F16, &p)
+            .unwrap()
+            .reference
+            .text_perplexity;
         p.tokens = 7;
-        let b = check(&w, KvElement::F16, &p).unwrap().reference.text_perplexity;
+        let b = check(&w, KvElement::F16, &p)
+            .unwrap()
+            .reference
+            .text_perplexity;
         assert_eq!(a, b);
     }
 
