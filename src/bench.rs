@@ -106,6 +106,15 @@ pub struct BenchArgs {
     pub note: String,
 }
 
+/// The rates asked for: `--rate`, else `--rates`, else 2 per second.
+pub(crate) fn rates_of(a: &BenchArgs) -> Vec<f64> {
+    match (a.rate, a.rates.is_empty()) {
+        (Some(r), _) => vec![r],
+        (None, true) => vec![2.0],
+        (None, false) => a.rates.clone(),
+    }
+}
+
 /// The workload a name (or a trace file) stands for.
 pub(crate) fn workload_of(
     name: &str,
@@ -126,11 +135,7 @@ pub(crate) fn workload_of(
 pub async fn run_bench(a: BenchArgs) -> Result<()> {
     use loadtest::run::Slo;
     let workload = workload_of(&a.workload, a.trace.as_deref())?;
-    let rates: Vec<f64> = match (a.rate, a.rates.is_empty()) {
-        (Some(r), _) => vec![r],
-        (None, true) => vec![2.0],
-        (None, false) => a.rates.clone(),
-    };
+    let rates = rates_of(&a);
     if rates.iter().any(|r| !(*r > 0.0 && r.is_finite()))
         || !(a.duration > 0.0 && a.warmup >= 0.0 && a.warmup < a.duration)
     {

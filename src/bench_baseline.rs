@@ -9,15 +9,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use loadtest::regression::{self, Baseline, BenchSpec, Metric};
 use loadtest::run::{RunSpec, Slo};
 
-use crate::bench::{workload_of, BenchArgs};
+use crate::bench::{rates_of, workload_of, BenchArgs};
 
 /// The spec a new baseline records, from the command line.
 fn spec_from_args(a: &BenchArgs) -> Result<BenchSpec> {
-    let rates = match (a.rate, a.rates.is_empty()) {
-        (Some(r), _) => vec![r],
-        (None, true) => vec![2.0],
-        (None, false) => a.rates.clone(),
-    };
+    let rates = rates_of(a);
     let trace_fnv1a = match &a.trace {
         Some(p) => Some(regression::fnv1a(
             &std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?,
