@@ -219,6 +219,15 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
     for f in &files {
         println!("wrote {}", f.display());
     }
+    let lines_path = dir.join("samples.jsonl");
+    let mut lines = Vec::new();
+    for l in report.request_lines.iter().flatten() {
+        serde_json::to_writer(&mut lines, l)?;
+        lines.push(b'\n');
+    }
+    std::fs::write(&lines_path, lines)
+        .with_context(|| format!("cannot write {}", lines_path.display()))?;
+    println!("wrote {}", lines_path.display());
     if let Some(e) = plot_error {
         eprintln!("plots skipped: {e}");
     }

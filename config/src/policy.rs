@@ -53,13 +53,13 @@ fn default_tie_ratio() -> f64 {
     0.1
 }
 fn default_itl_headroom() -> f64 {
-    0.6
+    0.85
 }
 fn default_itl_min_reuse() -> f64 {
     2.0
 }
 fn default_itl_fleet_ratio() -> f64 {
-    1.1
+    0.0
 }
 /// The request-count guard's threshold under the `tokens` cost when none is set.
 pub const TOKENS_ABS_THRESHOLD: u32 = 16;
@@ -115,12 +115,14 @@ pub struct PrefixAwareConfig {
     pub tie_ms: f64,
     #[serde(default = "default_tie_ratio")]
     pub tie_ratio: f64,
-    /// `ttft` cost: a replica whose running streams see a decode step (their median
-    /// inter-token gap) over this share of the route's inter-token promise is passed over while
-    /// another replica keeps within it (the route's own promise, or the strictest of the
-    /// routes sharing its replicas; no promise, no check) — when what it holds of the prompt is
-    /// shared (`itl_min_reuse`). The rest of the promise is room for the prefill stalls a
-    /// stream also sees, and for the batch growing during its life. 0 turns the check off.
+    /// `ttft` cost: a replica whose running streams would see a decode step (their median
+    /// inter-token gap, moved by the context in flight there and this request's prompt) over
+    /// this share of the route's inter-token promise is passed over while another replica
+    /// would keep within it (the route's own promise, or the strictest of the routes sharing
+    /// its replicas; no promise, no check) — when what it holds of the prompt is shared
+    /// (`itl_min_reuse`). The rest of the promise is room for the prefill stalls a stream also
+    /// sees: a stream's p95 gap ran 10-15 ms over its median on L4-sized replicas. 0 turns the
+    /// check off.
     #[serde(default = "default_itl_headroom")]
     pub itl_headroom: f64,
     /// The inter-token check passes over a replica holding part of the prompt only when at
@@ -130,12 +132,11 @@ pub struct PrefixAwareConfig {
     /// issue 11: with the check on every holder, chat reuse at the knee fell from 71% to 58%).
     #[serde(default = "default_itl_min_reuse")]
     pub itl_min_reuse: f64,
-    /// The inter-token check's limit is never under this many times the fleet's median decode
-    /// step (over the replicas with streams running): where the whole fleet is that slow,
-    /// moving one more stream elsewhere keeps no promise better, and costs a cold prefill
-    /// (BENCHMARKS, issue 11: on L4-sized replicas, whose busy step is 85-95 ms against a
-    /// 90 ms limit, bursty traffic at 20/s was spread onto cold replicas without it). 0: the
-    /// promise alone sets the limit.
+    /// When set, the inter-token check's limit is never under this many times the fleet's
+    /// median decode step (over the replicas with streams running). Off (0) by default: with
+    /// five of eight replicas over the promise, the floor rose above it and kept every stream
+    /// on a holder that broke it (BENCHMARKS, issue 28: bursty traffic on L4s). It dates from a
+    /// 0.6 headroom, under which busy L4s at 85-95 ms a step looked over a 90 ms limit.
     #[serde(default = "default_itl_fleet_ratio")]
     pub itl_fleet_ratio: f64,
     /// Cost of one uncached prompt token (prefill work).

@@ -118,7 +118,58 @@ pub struct CompareReport {
     /// Per run (same order as `runs`), the measured TTFTs, for CDFs.
     #[serde(skip)]
     pub ttft_samples_s: Vec<Vec<f64>>,
+    /// Per run (same order as `runs`), one line per measured request, for tail analysis
+    /// (`samples.jsonl`).
+    #[serde(skip)]
+    pub request_lines: Vec<Vec<RequestLine>>,
     pub flush_errors: Vec<String>,
+}
+
+/// One measured request of a run, as `samples.jsonl` writes it: enough to see where a run's
+/// tail and its missed promises come from (which replica, how cached, how slow its stream).
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestLine {
+    pub target: String,
+    pub rate: f64,
+    pub scheduled_s: f64,
+    pub status: u16,
+    pub replica: Option<String>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    pub ttft_ms: Option<f64>,
+    /// This request's own inter-token gaps: median, 95th percentile (what the SLO judges) and
+    /// largest.
+    pub itl_p50_ms: Option<f64>,
+    pub itl_p95_ms: Option<f64>,
+    pub itl_max_ms: Option<f64>,
+    pub e2e_ms: f64,
+    /// Met the run's SLO.
+    pub good: bool,
+}
+
+impl RequestLine {
+    fn of(r: &Report, x: &crate::client::Sample, slo: &crate::run::Slo) -> Self {
+        let mut gaps = x.inter_token_s.clone();
+        gaps.sort_by(f64::total_cmp);
+        let pct = |p: f64| crate::stats::percentile(&gaps, p).map(|v| v * 1e3);
+        RequestLine {
+            target: r.target.clone(),
+            rate: r.rate,
+            scheduled_s: x.scheduled_s,
+            status: x.status,
+            replica: x.replica.clone(),
+            prompt_tokens: x.prompt_tokens,
+            cached_tokens: x.cached_tokens,
+            completion_tokens: x.completion_tokens,
+            ttft_ms: x.ttft_s.map(|t| t * 1e3),
+            itl_p50_ms: pct(50.0),
+            itl_p95_ms: pct(95.0),
+            itl_max_ms: gaps.last().map(|v| v * 1e3),
+            e2e_ms: x.e2e_s * 1e3,
+            good: x.ok() && crate::run::is_good(slo, x),
+        }
+    }
 }
 
 /// `POST /flush_cache` at each replica; the replicas' fleet token (`KVGATE_FLEET_TOKEN`) is
@@ -166,6 +217,7 @@ pub async fn compare(
     let client = reqwest::Client::new();
     let mut runs = Vec::new();
     let mut ttfts = Vec::new();
+    let mut lines = Vec::new();
     let mut flush_errors = Vec::new();
     let mut oracles = Vec::new();
     let n = spec.targets.len();
@@ -186,6 +238,13 @@ pub async fn compare(
                     .iter()
                     .filter(|x| x.scheduled_s >= warm && x.ok())
                     .filter_map(|x| x.ttft_s)
+                    .collect(),
+            );
+            lines.push(
+                r.samples
+                    .iter()
+                    .filter(|x| x.scheduled_s >= warm)
+                    .map(|x| RequestLine::of(&r, x, &spec.base.slo))
                     .collect(),
             );
             r.samples.clear();
@@ -213,6 +272,7 @@ pub async fn compare(
         knees,
         oracle: oracles,
         ttft_samples_s: ttfts,
+        request_lines: lines,
         flush_errors,
     }
 }

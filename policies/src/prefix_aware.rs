@@ -22,15 +22,21 @@
 //! scratch on another replica, the request goes there (`spread`), and that replica becomes a
 //! second holder — later requests are priced across both.
 //!
-//! **The inter-token check** (`itl_headroom`, 0.6 by default): before the cost, a replica whose
-//! running streams already see a decode step over 0.6 × the route's inter-token promise is
-//! passed over while another replica keeps within it. The cost prices this request's first
-//! token; it does not see that one more stream on a large batch slows every stream there. A
+//! **The inter-token check** (`itl_headroom`, 0.85 by default): before the cost, a replica whose
+//! running streams would see a decode step over 0.85 × the route's inter-token promise is
+//! passed over while another replica would keep within it. The step it would see is its
+//! streams' current median gap moved along the replica's learnt step-per-context-token line by
+//! the prompt tokens dispatched there since and by this request's own prompt
+//! ([`SpeedView::step_with`]): a decode step reads every running sequence's context, so forty
+//! streams of a 3,000-token system prompt step far slower than forty of a 1,000-token one. The
+//! cost prices this request's first token; it does not see that one more stream on a large
+//! batch slows every stream there. A
 //! holder is passed over only for a *shared* prefix (at least `itl_min_reuse` recent requests
 //! reused it, [`RouteRequest::prefix_reuse`]): a second holder of a system prompt serves every
-//! later request, but a conversation's history prefilled elsewhere serves one turn. The limit
-//! is never under `itl_fleet_ratio` (1.1) × the fleet's median decode step: where every
-//! replica is that slow, passing one over buys no inter-token time and costs a cold prefill.
+//! later request, but a conversation's history prefilled elsewhere serves one turn. Where no
+//! replica would keep within the limit, the cost alone decides (the holder keeps the stream:
+//! spreading buys nothing there). `itl_fleet_ratio`, off by default, floors the limit at that
+//! many times the fleet's median step.
 //!
 //! **`cost = "tokens"`**: `uncached prompt tokens × prefill_weight (1.0) + requests at the
 //! replica × load_weight (256 token-equivalents) + KV usage ratio × kv_usage_weight (512)`,
@@ -86,8 +92,7 @@ impl PrefixAware {
             + (offloaded as f64 * OFFLOADED_TOKEN_COST).round() as u64;
         let load = r.load.requests();
         let h = self.cfg.itl_headroom;
-        // Never under `itl_fleet_ratio` × the fleet's median step: a replica as slow as the
-        // rest is not worth a cold prefill elsewhere.
+        // When `itl_fleet_ratio` is set, never under that × the fleet's median step.
         let floor = fleet_step.map_or(0.0, |s| s * self.cfg.itl_fleet_ratio);
         let limit = req
             .itl_target_s
@@ -96,7 +101,10 @@ impl PrefixAware {
         // Only a replica with streams running can break a promise by taking one more; and a
         // holder is passed over only for a shared prefix, which a second holder amortises.
         let shared = req.matched(i) == 0 || req.reuse(i) >= self.cfg.itl_min_reuse;
-        let step = r.speed.current_step_s.filter(|_| load > 0 && shared);
+        let step = r
+            .speed
+            .step_with(req.prompt_tokens as u64)
+            .filter(|_| load > 0 && shared);
         let itl_over = match (self.cfg.cost, step, limit) {
             (CostModel::Ttft, Some(p), Some(l)) if p > l => Some(ItlOver {
                 step_s: p,

@@ -41,6 +41,13 @@ pub struct SpeedView {
     /// The median inter-token gap its streams see now, whatever the batch (s); `None` before
     /// any was seen.
     pub current_step_s: Option<f64>,
+    /// That step moved to the context now in flight there (requests dispatched since count,
+    /// finished ones no longer do), along the learnt step-per-context-token line; `None`
+    /// before any gap was seen.
+    pub step_now_s: Option<f64>,
+    /// Seconds of decode step per prompt token in flight there (0 until learnt): what one
+    /// more stream of a long prompt adds to every stream's step.
+    pub step_per_context_token_s: f64,
     /// Prompt tokens the replica prefills per step (its chunk budget).
     pub chunk_tokens: u64,
 }
@@ -55,6 +62,8 @@ impl Default for SpeedView {
             queued_prefill_tokens: 0,
             decode_step_s: None,
             current_step_s: None,
+            step_now_s: None,
+            step_per_context_token_s: 0.0,
             chunk_tokens: 2048,
         }
     }
@@ -78,6 +87,14 @@ pub struct TtftEstimate {
 pub const ATTENTION_UNIT: f64 = 4096.0;
 
 impl SpeedView {
+    /// The decode step the replica's streams would see with one more stream of
+    /// `prompt_tokens` (`None` before any gap was seen).
+    pub fn step_with(&self, prompt_tokens: u64) -> Option<f64> {
+        self.step_now_s
+            .or(self.current_step_s)
+            .map(|s| s + self.step_per_context_token_s * prompt_tokens as f64)
+    }
+
     /// Predicts a request with `uncached` prompt tokens after `cached` cached ones here.
     pub fn estimate(&self, uncached: u64, cached: u64) -> TtftEstimate {
         let work = self.queued_prefill_tokens + uncached;
@@ -195,10 +212,11 @@ pub enum DecisionReason {
     },
 }
 
-/// A replica whose running streams see a decode step over the inter-token limit.
+/// A replica whose running streams would see a decode step over the inter-token limit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ItlOver {
-    /// The decode step its streams see now (their median inter-token gap, s).
+    /// The decode step its streams would see with this request (their median inter-token gap
+    /// moved by the context in flight and this prompt, s).
     pub step_s: f64,
     /// The limit it was held to: the promise × the policy's `itl_headroom` (s).
     pub limit_s: f64,
@@ -252,7 +270,7 @@ impl fmt::Display for DecisionReason {
                     }
                     write!(
                         f,
-                        " but its streams see a {:.0} ms decode step, over the {:.0} ms limit \
+                        " but its streams would see a {:.0} ms decode step, over the {:.0} ms limit \
                          for the inter-token promise; predicted TTFT {holder_ttft_s:.3} s \
                          there, {chosen_ttft_s:.3} s here)",
                         o.step_s * 1e3,

@@ -58,19 +58,25 @@ impl Drop for PendingPrefill {
     }
 }
 
-/// Counts a request in flight at a replica for as long as it lives.
-pub struct InFlight(Arc<ReplicaHandle>);
+/// Counts a request in flight at a replica, and its prompt tokens in the context there, for
+/// as long as it lives.
+pub struct InFlight(Arc<ReplicaHandle>, u64);
 
 impl InFlight {
-    pub fn new(r: Arc<ReplicaHandle>) -> Self {
+    pub fn new(r: Arc<ReplicaHandle>, prompt_tokens: u64) -> Self {
         r.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(r)
+        r.context_in_flight
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        InFlight(r, prompt_tokens)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0
+            .context_in_flight
+            .fetch_sub(self.1, Ordering::Relaxed);
         self.0.finished.fetch_add(1, Ordering::Relaxed);
     }
 }

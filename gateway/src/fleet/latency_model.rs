@@ -16,6 +16,7 @@
 
 use std::time::Duration;
 
+use crate::fleet::step_fit::StepFit;
 use crate::fleet::ttft_fit::{attention, TtftCoefficients, TtftFit};
 
 /// Exponentially weighted moving average; `None` until the first sample.
@@ -147,6 +148,8 @@ pub struct LatencyModel {
     recent: RecentGaps,
     /// The median of the latest gaps, whatever the batch: the step its streams see now.
     current: Quantile<500>,
+    /// The step against the context in flight.
+    step: StepFit,
 }
 
 impl LatencyModel {
@@ -196,6 +199,30 @@ impl LatencyModel {
         self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
         self.recent.add(gap.as_secs_f64());
         self.current.add(gap.as_secs_f64());
+    }
+
+    /// An inter-token gap observed while the replica ran `batch` sequences, `context` prompt
+    /// tokens of the gateway's requests in flight there.
+    pub fn observe_gap_at(&mut self, batch: u32, context: u64, gap: Duration) {
+        self.observe_itl(batch, gap);
+        self.step.add(context, gap.as_secs_f64());
+    }
+
+    /// The decode step its streams would see with `context` prompt tokens in flight: the
+    /// current median step moved along the learnt step-per-context-token line from the context
+    /// it was seen at ([`StepFit`]); the current median alone until that line is learnt.
+    pub fn step_at(&self, context: u64) -> Option<f64> {
+        let now = self.current.q?;
+        let moved = match (self.step.seconds_per_token(), self.step.anchor_tokens()) {
+            (Some(b), Some(at)) => b * (context as f64 - at),
+            _ => 0.0,
+        };
+        Some((now + moved).max(0.0))
+    }
+
+    /// Seconds of decode step per token of context in flight (0 until learnt).
+    pub fn step_per_context_token(&self) -> f64 {
+        self.step.seconds_per_token().unwrap_or(0.0)
     }
 
     /// The median inter-token gap of the replica's latest streams, whatever their batch: the
@@ -359,5 +386,32 @@ pub(crate) mod tests {
         let far = m.predict_itl(128).unwrap().as_secs_f64();
         assert!((far - 0.160).abs() < 1e-9, "{far}");
         assert_eq!(LatencyModel::default().predict_itl(4), None);
+    }
+
+    #[test]
+    fn the_step_ahead_moves_with_the_context_dispatched_since() {
+        // 60 ms plus 0.5 µs per context token, seen as the context in flight rose from 0 to
+        // 80k tokens: the current step is the last gaps' (~100 ms); 20k more tokens dispatched
+        // since add ~10 ms, and as many finished take ~10 ms off.
+        let mut m = LatencyModel::default();
+        assert_eq!(m.step_at(1000), None);
+        for i in 0..4000u64 {
+            let ctx = i * 20;
+            m.observe_gap_at(
+                16,
+                ctx,
+                Duration::from_secs_f64(0.060 + 0.5e-6 * ctx as f64),
+            );
+        }
+        let now = m.current_step().unwrap().as_secs_f64();
+        assert!((m.step_per_context_token() - 0.5e-6).abs() < 0.02e-6);
+        let ahead = m.step_at(100_000).unwrap();
+        assert!((ahead - now - 0.010).abs() < 0.002, "{ahead} vs {now}");
+        let drained = m.step_at(60_000).unwrap();
+        assert!((now - drained - 0.010).abs() < 0.002, "{drained} vs {now}");
+        // Gaps seen without a context (`observe_itl`) move only the current step.
+        let mut plain = LatencyModel::default();
+        plain.observe_itl(16, 80 * MS);
+        assert_eq!(plain.step_at(50_000), Some(0.08));
     }
 }

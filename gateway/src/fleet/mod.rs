@@ -6,7 +6,8 @@
 //! gateway talks to them ([`client`]), what a request holds there while it runs
 //! ([`guards`]), which answer unusably ([`outlier`]), and whose prompt token counts differ
 //! from the gateway's ([`prompt_check`]: a drifted tokenizer or chat template), how many tokens
-//! they generate per second ([`throughput`], for the cost gauge). Their KV event
+//! they generate per second ([`throughput`], for the cost gauge), how their decode step grows
+//! with the context in flight ([`step_fit`]). Their KV event
 //! streams are followed here ([`events`], [`tasks`]) and written into the prefix index
 //! (`prefix/`).
 
@@ -24,6 +25,7 @@ pub mod probes;
 pub mod prompt_check;
 pub mod registry;
 pub mod replica;
+pub mod step_fit;
 pub mod tasks;
 pub mod throughput;
 pub mod ttft_fit;

@@ -44,6 +44,9 @@ pub struct ReplicaHandle {
     pub(super) fails: AtomicU32,
     pub(super) oks: AtomicU32,
     pub in_flight: AtomicU32,
+    /// Prompt tokens of this gateway's requests in flight there: the context its decode steps
+    /// read (`fleet/step_fit.rs`).
+    pub context_in_flight: AtomicU64,
     pub(super) waiting: AtomicU32,
     pub(super) running: AtomicU32,
     pub(super) kv_usage_bits: AtomicU64,
@@ -117,6 +120,7 @@ impl ReplicaHandle {
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
+            context_in_flight: AtomicU64::new(0),
             waiting: AtomicU32::new(0),
             running: AtomicU32::new(0),
             kv_usage_bits: AtomicU64::new(0f64.to_bits()),
@@ -307,6 +311,8 @@ impl ReplicaHandle {
             ) + self.peer_prefill.load(Ordering::Relaxed),
             decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
             current_step_s: m.current_step().map(|d| d.as_secs_f64()),
+            step_now_s: m.step_at(self.context_in_flight.load(Ordering::Relaxed)),
+            step_per_context_token_s: m.step_per_context_token(),
             chunk_tokens: if chunk > 0 {
                 chunk
             } else {

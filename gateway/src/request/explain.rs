@@ -95,6 +95,8 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
                     "seconds_per_attention_unit": r.speed.seconds_per_attention,
                     "decode_step_s": r.speed.decode_step_s,
                     "current_step_s": r.speed.current_step_s,
+                    "step_now_s": r.speed.step_now_s,
+                    "step_per_context_token_s": r.speed.step_per_context_token_s,
                     "chunk_tokens": r.speed.chunk_tokens,
                 },
                 "predicted_ttft_s": score.and_then(|s| s.estimate).map(|e| e.ttft_s),

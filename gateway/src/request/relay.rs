@@ -7,7 +7,7 @@
 //! an error, not as a 200. On the way, the relay times the answer (TTFT, gaps) for the route's
 //! goodput and teaches the replica's latency model.
 
-use std::sync::Arc;
+use std::sync::{atomic::Ordering, Arc};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -357,11 +357,12 @@ impl Relay<'_> {
                     }
                     Some(prev) => {
                         let batch = ctx.replica.load().requests().max(1);
+                        let context = ctx.replica.context_in_flight.load(Ordering::Relaxed);
                         let mut model = ctx.replica.model.lock();
                         for (seen, step) in write_gaps(now - prev, coalesced) {
                             outcome.gaps.push(seen);
                             stats.inter_token_seconds.record(seen.as_secs_f64());
-                            model.observe_itl(batch, step);
+                            model.observe_gap_at(batch, context, step);
                         }
                     }
                 }
