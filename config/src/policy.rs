@@ -53,13 +53,22 @@ fn default_tie_ratio() -> f64 {
     0.1
 }
 fn default_itl_headroom() -> f64 {
-    0.85
+    0.95
 }
 fn default_itl_min_reuse() -> f64 {
     2.0
 }
 fn default_itl_fleet_ratio() -> f64 {
     0.0
+}
+fn default_warm_headroom() -> f64 {
+    0.85
+}
+fn default_warm_queue_share() -> f64 {
+    0.5
+}
+fn default_warm_min_reuse() -> f64 {
+    4.0
 }
 /// The request-count guard's threshold under the `tokens` cost when none is set.
 pub const TOKENS_ABS_THRESHOLD: u32 = 16;
@@ -115,14 +124,13 @@ pub struct PrefixAwareConfig {
     pub tie_ms: f64,
     #[serde(default = "default_tie_ratio")]
     pub tie_ratio: f64,
-    /// `ttft` cost: a replica whose running streams would see a decode step (their median
-    /// inter-token gap, moved by the context in flight there and this request's prompt) over
-    /// this share of the route's inter-token promise is passed over while another replica
-    /// would keep within it (the route's own promise, or the strictest of the routes sharing
-    /// its replicas; no promise, no check) — when what it holds of the prompt is shared
-    /// (`itl_min_reuse`). The rest of the promise is room for the prefill stalls a stream also
-    /// sees: a stream's p95 gap ran 10-15 ms over its median on L4-sized replicas. 0 turns the
-    /// check off.
+    /// `ttft` cost: a replica whose running streams would see a p95 inter-token gap (their
+    /// median gap moved by the context in flight there and this request's prompt, plus how far
+    /// their p95 runs over the median) over this share of the route's inter-token promise is
+    /// passed over while another replica would keep within it (the route's own promise, or the
+    /// strictest of the routes sharing its replicas; no promise, no check) — when what it
+    /// holds of the prompt is shared (`itl_min_reuse`). The rest of the promise is room for
+    /// the batch growing during a stream's life. 0 turns the check off.
     #[serde(default = "default_itl_headroom")]
     pub itl_headroom: f64,
     /// The inter-token check passes over a replica holding part of the prompt only when at
@@ -139,6 +147,23 @@ pub struct PrefixAwareConfig {
     /// 0.6 headroom, under which busy L4s at 85-95 ms a step looked over a 90 ms limit.
     #[serde(default = "default_itl_fleet_ratio")]
     pub itl_fleet_ratio: f64,
+    /// `ttft` cost, hot prefixes get a second holder before their holder breaks a promise: when
+    /// a request goes to a holder of a prefix at least `warm_min_reuse` recent requests reused,
+    /// and every replica holding as much of it would see a p95 gap over this share of the
+    /// inter-token promise (or has `warm_queue_share` of a cold prefill queued, below), the
+    /// gateway also sends the prompt, for one token, to the cheapest replica that would keep
+    /// within the inter-token limit: the next requests of that prefix find it cached there.
+    /// 0 turns warming off.
+    #[serde(default = "default_warm_headroom")]
+    pub warm_headroom: f64,
+    /// ... or when each such holder's predicted TTFT is over this share of the best cold
+    /// replica's (the prefill queued there is half-way to spreading by price). 0: on the
+    /// inter-token step alone.
+    #[serde(default = "default_warm_queue_share")]
+    pub warm_queue_share: f64,
+    /// A prefix is warmed elsewhere only when at least this many recent requests reused it.
+    #[serde(default = "default_warm_min_reuse")]
+    pub warm_min_reuse: f64,
     /// Cost of one uncached prompt token (prefill work).
     #[serde(default = "default_prefill_weight")]
     pub prefill_weight: f64,
@@ -169,6 +194,9 @@ impl Default for PrefixAwareConfig {
             itl_headroom: default_itl_headroom(),
             itl_min_reuse: default_itl_min_reuse(),
             itl_fleet_ratio: default_itl_fleet_ratio(),
+            warm_headroom: default_warm_headroom(),
+            warm_queue_share: default_warm_queue_share(),
+            warm_min_reuse: default_warm_min_reuse(),
             prefill_weight: default_prefill_weight(),
             load_weight: default_load_weight(),
             kv_usage_weight: default_kv_usage_weight(),
@@ -337,6 +365,24 @@ impl PolicyConfig {
                     "must be a non-negative number of requests",
                 );
                 v.check(
+                    (0.0..=1.0).contains(&c.warm_headroom),
+                    &f("warm_headroom"),
+                    c.warm_headroom,
+                    "must be between 0 and 1 (a share of the inter-token promise; 0: off)",
+                );
+                v.check(
+                    (0.0..=1.0).contains(&c.warm_queue_share),
+                    &f("warm_queue_share"),
+                    c.warm_queue_share,
+                    "must be between 0 and 1 (a share of a cold prefill's TTFT; 0: off)",
+                );
+                v.check(
+                    c.warm_min_reuse.is_finite() && c.warm_min_reuse >= 0.0,
+                    &f("warm_min_reuse"),
+                    c.warm_min_reuse,
+                    "must be a non-negative number of requests",
+                );
+                v.check(
                     c.itl_fleet_ratio.is_finite() && c.itl_fleet_ratio >= 0.0,
                     &f("itl_fleet_ratio"),
                     c.itl_fleet_ratio,
@@ -419,6 +465,18 @@ mod tests {
             (
                 "itl_fleet_ratio = -1",
                 "policy.itl_fleet_ratio = -1: must be a non-negative",
+            ),
+            (
+                "warm_headroom = 1.5",
+                "policy.warm_headroom = 1.5: must be between 0 and 1",
+            ),
+            (
+                "warm_queue_share = -0.1",
+                "policy.warm_queue_share = -0.1: must be between 0 and 1",
+            ),
+            (
+                "warm_min_reuse = -2",
+                "policy.warm_min_reuse = -2: must be a non-negative",
             ),
         ] {
             let e = PolicyConfig::from_toml(&format!("kind = \"prefix_aware\"\n{line}"))

@@ -62,6 +62,9 @@ pub struct AccessRecord {
     /// What placement predicted the replica's time to first token would be.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted_ttft_ms: Option<f64>,
+    /// The replica warmed with this prompt, to hold its prefix too (`request/warm.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmed: Option<String>,
     pub e2e_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -48,6 +48,10 @@ pub struct SpeedView {
     /// Seconds of decode step per prompt token in flight there (0 until learnt): what one
     /// more stream of a long prompt adds to every stream's step.
     pub step_per_context_token_s: f64,
+    /// How far its streams' 95th-percentile gap lies over their median (the steps carrying
+    /// prefill; s, 0 until seen): what a stream's p95 — what the promise judges — adds to the
+    /// decode step.
+    pub stall_margin_s: f64,
     /// Prompt tokens the replica prefills per step (its chunk budget).
     pub chunk_tokens: u64,
 }
@@ -64,6 +68,7 @@ impl Default for SpeedView {
             current_step_s: None,
             step_now_s: None,
             step_per_context_token_s: 0.0,
+            stall_margin_s: 0.0,
             chunk_tokens: 2048,
         }
     }
@@ -87,12 +92,13 @@ pub struct TtftEstimate {
 pub const ATTENTION_UNIT: f64 = 4096.0;
 
 impl SpeedView {
-    /// The decode step the replica's streams would see with one more stream of
-    /// `prompt_tokens` (`None` before any gap was seen).
+    /// The 95th-percentile inter-token gap the replica's streams would see with one more
+    /// stream of `prompt_tokens` — what the promise judges: the decode step moved by that
+    /// context, plus the replica's stall margin (`None` before any gap was seen).
     pub fn step_with(&self, prompt_tokens: u64) -> Option<f64> {
-        self.step_now_s
-            .or(self.current_step_s)
-            .map(|s| s + self.step_per_context_token_s * prompt_tokens as f64)
+        self.step_now_s.or(self.current_step_s).map(|s| {
+            s + self.step_per_context_token_s * prompt_tokens as f64 + self.stall_margin_s
+        })
     }
 
     /// Predicts a request with `uncached` prompt tokens after `cached` cached ones here.
@@ -215,8 +221,8 @@ pub enum DecisionReason {
 /// A replica whose running streams would see a decode step over the inter-token limit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ItlOver {
-    /// The decode step its streams would see with this request (their median inter-token gap
-    /// moved by the context in flight and this prompt, s).
+    /// The p95 inter-token gap its streams would see with this request (their median gap moved
+    /// by the context in flight and this prompt, plus the replica's stall margin; s).
     pub step_s: f64,
     /// The limit it was held to: the promise × the policy's `itl_headroom` (s).
     pub limit_s: f64,
@@ -270,7 +276,7 @@ impl fmt::Display for DecisionReason {
                     }
                     write!(
                         f,
-                        " but its streams would see a {:.0} ms decode step, over the {:.0} ms limit \
+                        " but its streams would see a {:.0} ms p95 inter-token gap, over the {:.0} ms limit \
                          for the inter-token promise; predicted TTFT {holder_ttft_s:.3} s \
                          there, {chosen_ttft_s:.3} s here)",
                         o.step_s * 1e3,
@@ -313,6 +319,36 @@ pub struct RouteDecision {
     pub matched_blocks: usize,
     /// Every healthy replica's score, where the policy scores (prefix_aware).
     pub scores: Vec<ReplicaScore>,
+    /// A replica to send this prompt to as well, for one token, so that it holds the prefix
+    /// before the chosen holder breaks a promise (prefix_aware's warming).
+    pub warm: Option<Warm>,
+}
+
+/// A second (third, ...) holder added ahead of the burst: the gateway sends the prompt there
+/// for one token, so later requests of a hot prefix find it cached.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Warm {
+    pub replica: usize,
+    pub reason: WarmReason,
+}
+
+/// What pressed every holder of the prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WarmReason {
+    /// Its streams would see a decode step over the warming share of the inter-token promise.
+    InterToken,
+    /// Its queued prefill put its predicted TTFT over the warming share of a cold replica's.
+    Queue,
+}
+
+impl WarmReason {
+    /// The bounded metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            WarmReason::InterToken => "inter_token",
+            WarmReason::Queue => "queue",
+        }
+    }
 }
 
 impl RouteDecision {
@@ -331,6 +367,7 @@ impl RouteDecision {
             reason,
             matched_blocks: req.matched(replica),
             scores: Vec::new(),
+            warm: None,
         }
     }
 }

@@ -148,6 +148,8 @@ pub struct LatencyModel {
     recent: RecentGaps,
     /// The median of the latest gaps, whatever the batch: the step its streams see now.
     current: Quantile<500>,
+    /// The 95th percentile of the latest gaps: the median plus the steps that carried prefill.
+    current_p95: Quantile<950>,
     /// The step against the context in flight.
     step: StepFit,
 }
@@ -199,6 +201,7 @@ impl LatencyModel {
         self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
         self.recent.add(gap.as_secs_f64());
         self.current.add(gap.as_secs_f64());
+        self.current_p95.add(gap.as_secs_f64());
     }
 
     /// An inter-token gap observed while the replica ran `batch` sequences, `context` prompt
@@ -218,6 +221,15 @@ impl LatencyModel {
             _ => 0.0,
         };
         Some((now + moved).max(0.0))
+    }
+
+    /// How far the 95th percentile of the latest gaps lies over their median: the steps that
+    /// carry prefill chunks, which every stream there sees too (0 before any gap).
+    pub fn stall_margin(&self) -> f64 {
+        match (self.current_p95.q, self.current.q) {
+            (Some(p95), Some(p50)) => (p95 - p50).max(0.0),
+            _ => 0.0,
+        }
     }
 
     /// Seconds of decode step per token of context in flight (0 until learnt).

@@ -313,6 +313,7 @@ impl ReplicaHandle {
             current_step_s: m.current_step().map(|d| d.as_secs_f64()),
             step_now_s: m.step_at(self.context_in_flight.load(Ordering::Relaxed)),
             step_per_context_token_s: m.step_per_context_token(),
+            stall_margin_s: m.stall_margin(),
             chunk_tokens: if chunk > 0 {
                 chunk
             } else {

@@ -122,6 +122,10 @@ const COUNTERS: &[(&str, &str)] = &[
         "Requests that waited for one replica and were then sent to another (the wait did not pay), by route",
     ),
     (
+        "kvgate_gateway_prefix_warms_total",
+        "Prompts sent for one token to add a holder of a hot prefix before its holders break a promise, by route, reason (inter_token, queue) and outcome (ok, failed)",
+    ),
+    (
         "kvgate_gateway_tokenizer_refused_total",
         "Requests refused for want of a tokeniser, by reason (queue_full, queue_timeout)",
     ),

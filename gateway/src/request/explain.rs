@@ -97,13 +97,14 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
                     "current_step_s": r.speed.current_step_s,
                     "step_now_s": r.speed.step_now_s,
                     "step_per_context_token_s": r.speed.step_per_context_token_s,
+                    "stall_margin_s": r.speed.stall_margin_s,
                     "chunk_tokens": r.speed.chunk_tokens,
                 },
                 "predicted_ttft_s": score.and_then(|s| s.estimate).map(|e| e.ttft_s),
                 "own_prefill_s": score.and_then(|s| s.estimate).map(|e| e.own_prefill_s),
                 "cost": score.map(|s| s.cost),
                 "itl_over_limit": score.and_then(|s| s.itl_over).map(|o| json!({
-                    "decode_step_s": o.step_s,
+                    "p95_gap_s": o.step_s,
                     "limit_s": o.limit_s,
                 })),
                 "admission": admission,
@@ -135,6 +136,7 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
             "predicted_ttft_s": d.scores.iter().find(|s| s.replica == d.replica)
                 .and_then(|s| s.estimate).map(|e| e.ttft_s),
             "admitted_now": matches!(placed.outcome, Outcome::Go(_)),
+            "warm": d.warm.map(|w| json!({"replica": label(w.replica), "reason": w.reason.label()})),
         }),
         (_, None) => json!(null),
     };

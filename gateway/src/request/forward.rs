@@ -370,6 +370,9 @@ impl Forwarder<'_> {
                 pending.unstreamed(cached_tokens);
             }
             let sent_at = Instant::now();
+            if attempt == 0 {
+                rec.warmed = self.warm(route, p, &d);
+            }
             let mut at = Attempt {
                 session,
                 ejected: &mut ejected,

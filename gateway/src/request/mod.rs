@@ -9,7 +9,8 @@
 //!    (429 + Retry-After);
 //! 4. [`place`] — which replica, or why it must wait (asked by admit, by forward's retries
 //!    through [`generate`], and by [`explain`]);
-//! 5. [`forward`] — send it, retrying elsewhere while nothing reached the client;
+//! 5. [`forward`] — send it, retrying elsewhere while nothing reached the client (and, when
+//!    placement says so, [`warm`] another replica with its prompt);
 //! 6. [`relay`] — take the answer to the client, timing it (the SSE reader is [`sse`]).
 //!
 //! A stage never calls back up this order; what it hands on ([`prepared`], `routes/admitted.rs`)
@@ -28,6 +29,7 @@ pub mod prepared;
 pub mod relay;
 pub mod sse;
 pub mod tokenizer_pool;
+pub mod warm;
 
 use std::time::Instant;
 

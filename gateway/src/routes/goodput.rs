@@ -101,8 +101,14 @@ pub struct RouteStats {
     hold_seconds: Vec<(&'static str, Histogram)>,
     /// Requests that waited for one replica and then went to another.
     pub holds_lost: Counter,
+    /// Warming requests sent (`request/warm.rs`), by what pressed the holders, answered and
+    /// failed.
+    warms: Vec<(&'static str, (Counter, Counter))>,
     window: Mutex<Window>,
 }
+
+/// What pressed a warmed prefix's holders (`policies::WarmReason::label`).
+const WARM_REASONS: [&str; 2] = ["inter_token", "queue"];
 
 /// Every shed reason and hold reason, registered up front so each series exists at 0.
 const SHED_REASONS: [&str; 3] = ["queue_full", "deadline", "timeout"];
@@ -183,8 +189,29 @@ impl RouteStats {
                 })
                 .collect(),
             holds_lost: m.route_counter("kvgate_gateway_holds_lost_total", route, &[]),
+            warms: WARM_REASONS
+                .iter()
+                .map(|r| {
+                    let c = |outcome| {
+                        m.route_counter(
+                            "kvgate_gateway_prefix_warms_total",
+                            route,
+                            &[("reason", r), ("outcome", outcome)],
+                        )
+                    };
+                    (*r, (c("ok"), c("failed")))
+                })
+                .collect(),
             window: Mutex::new(Window::default()),
         }
+    }
+
+    /// The warming counters (answered, failed) for `reason`.
+    pub fn warms(&self, reason: &str) -> (Counter, Counter) {
+        self.warms
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or_else(|| self.warms[0].1.clone(), |(_, c)| c.clone())
     }
 
     /// Records a finished request; returns its verdict.
