@@ -61,6 +61,9 @@ fn default_itl_min_reuse() -> f64 {
 fn default_itl_fleet_ratio() -> f64 {
     0.0
 }
+fn default_true() -> bool {
+    true
+}
 fn default_warm_headroom() -> f64 {
     0.85
 }
@@ -147,6 +150,11 @@ pub struct PrefixAwareConfig {
     /// 0.6 headroom, under which busy L4s at 85-95 ms a step looked over a 90 ms limit.
     #[serde(default = "default_itl_fleet_ratio")]
     pub itl_fleet_ratio: f64,
+    /// When every replica would break the inter-token promise with a request, send it to the
+    /// one furthest over (its streams are lost already) instead of the cheapest: the overflow
+    /// lands on few replicas and the rest keep their streams' promise (BENCHMARKS, issue 28).
+    #[serde(default = "default_true")]
+    pub itl_overflow: bool,
     /// `ttft` cost, hot prefixes get a second holder before their holder breaks a promise: when
     /// a request goes to a holder of a prefix at least `warm_min_reuse` recent requests reused,
     /// and every replica holding as much of it would see a p95 gap over this share of the
@@ -194,6 +202,7 @@ impl Default for PrefixAwareConfig {
             itl_headroom: default_itl_headroom(),
             itl_min_reuse: default_itl_min_reuse(),
             itl_fleet_ratio: default_itl_fleet_ratio(),
+            itl_overflow: true,
             warm_headroom: default_warm_headroom(),
             warm_queue_share: default_warm_queue_share(),
             warm_min_reuse: default_warm_min_reuse(),

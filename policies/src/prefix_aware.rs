@@ -261,7 +261,23 @@ impl RoutingPolicy for PrefixAware {
                     .cmp(&a.matched_blocks)
                     .then(a.cost.total_cmp(&b.cost))
             });
-        let (chosen, reason) = if self.overloaded(best.load, min_load) {
+        // Every replica over the inter-token limit: the stream breaks its promise wherever it
+        // goes, so it goes where the streams are lost already — the replica furthest over —
+        // rather than push a replica that still keeps most of its streams over the edge.
+        let overflow = scores
+            .iter()
+            .filter_map(|s| s.itl_over.map(|o| (s, o)))
+            .filter(|_| !some_keep && self.cfg.itl_overflow)
+            .max_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s));
+        let (chosen, reason) = if let Some((s, o)) = overflow {
+            (
+                s,
+                DecisionReason::Overflow {
+                    gap_s: o.step_s,
+                    limit_s: o.limit_s,
+                },
+            )
+        } else if self.overloaded(best.load, min_load) {
             let within = eligible
                 .clone()
                 .filter(|s| s.load <= min_load + self.cfg.abs_threshold().unwrap_or(u32::MAX));

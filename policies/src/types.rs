@@ -204,6 +204,13 @@ pub enum DecisionReason {
         preferred: usize,
         preferred_blocks: usize,
     },
+    /// Every replica's streams would break the inter-token promise with this request: it went
+    /// to the one furthest over (`gap_s`, its predicted p95 gap, against `limit_s`), whose
+    /// streams are lost already, rather than push one more replica over.
+    Overflow {
+        gap_s: f64,
+        limit_s: f64,
+    },
     /// A hot prefix spread: `holder` has the longest cached run of this prompt, but its
     /// predicted TTFT (queued prefill, batch) was beyond this replica's, so this one prefills
     /// the prefix and becomes a holder too.
@@ -244,6 +251,7 @@ impl DecisionReason {
             DecisionReason::NoMatch => "no_match",
             DecisionReason::LoadGuard { .. } => "load_guard",
             DecisionReason::Spread { .. } => "spread",
+            DecisionReason::Overflow { .. } => "itl_overflow",
         }
     }
 }
@@ -252,6 +260,13 @@ impl fmt::Display for DecisionReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DecisionReason::PrefixMatch { blocks } => write!(f, "prefix_match({blocks} blocks)"),
+            DecisionReason::Overflow { gap_s, limit_s } => write!(
+                f,
+                "itl_overflow(every replica's streams would break the inter-token promise; this \
+                 one's are furthest over, at a {:.0} ms p95 gap against the {:.0} ms limit)",
+                gap_s * 1e3,
+                limit_s * 1e3
+            ),
             DecisionReason::ConsistentHash { hops } if *hops > 0 => {
                 write!(f, "hash_overflow({hops} hops)")
             }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::reuse::PrefixReuse;
+use crate::prefix::warming::Warming;
 
 /// A prompt's blocks as the index sees them.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +49,8 @@ pub struct PrefixView {
     index: Arc<PrefixIndex>,
     /// How often each matched prefix is reused (the inter-token check's amortisation).
     reuse: PrefixReuse,
+    /// Prefixes with a warming request in flight (`request/warm.rs`).
+    pub warming: Arc<Warming>,
     pub block_size: usize,
 }
 
@@ -56,8 +59,14 @@ impl PrefixView {
         PrefixView {
             index,
             reuse: PrefixReuse::default(),
+            warming: Arc::default(),
             block_size,
         }
+    }
+
+    /// The warming claims, for a warming request's task to release.
+    pub fn warming_handle(&self) -> Arc<Warming> {
+        Arc::clone(&self.warming)
     }
 
     pub fn index(&self) -> &Arc<PrefixIndex> {

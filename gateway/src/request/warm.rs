@@ -8,7 +8,7 @@
 //! delayed: it has gone to its holder.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use policies::{RouteDecision, Warm};
@@ -56,6 +56,11 @@ impl Forwarder<'_> {
         let replica = self.fleet.replica(slot)?;
         let addr = replica.addr()?;
         let body = warm_body(p, route.cfg.engine_priority)?;
+        // The prefix the holders hold: one warming request for it at a time.
+        let key = *p.hashes.get(d.matched_blocks.checked_sub(1)?)?;
+        if !self.prefix.warming.claim(key, Instant::now()) {
+            return None;
+        }
         let matched = d
             .scores
             .iter()
@@ -70,10 +75,12 @@ impl Forwarder<'_> {
         let path = p.endpoint.path();
         let label = replica.label().to_string();
         let who = Arc::clone(&replica);
+        let warming = self.prefix.warming_handle();
         tokio::spawn(async move {
             let answer = client.post(addr, path, body, WARM_TIMEOUT).await;
             drop(pending);
             drop(in_flight);
+            warming.release(key);
             match answer {
                 Ok(_) => counters.0.increment(1),
                 Err(e) => {

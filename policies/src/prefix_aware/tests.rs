@@ -152,14 +152,27 @@ fn a_holder_that_would_break_the_inter_token_promise_is_passed_over() {
         other => panic!("{other:?}"),
     }
     assert!(d.reason.to_string().contains("150 ms p95"), "{}", d.reason);
-    // Without a promise, or when every replica is over it, the cost alone decides: the
-    // holder.
+    // Without a promise the cost alone decides: the holder.
     let no_promise = long_request(&hashes, &[250, 0, 0]);
     assert_eq!(checked.route(&no_promise, &set).unwrap().replica, 0);
+    // When every replica is over it, the stream goes where the streams are lost already: the
+    // replica furthest over (here replica 1), not the cheapest.
+    for (r, step) in set.replicas.iter_mut().zip([0.2, 0.3, 0.18]) {
+        r.speed.current_step_s = Some(step);
+    }
+    let d = checked.route(&req, &set).unwrap();
+    assert_eq!(d.replica, 1, "{:?}", d.scores);
+    assert_eq!(d.reason.label(), "itl_overflow");
+    assert!(d.reason.to_string().contains("300 ms p95"), "{}", d.reason);
+    // Off (`itl_overflow = false`): the cost decides, and the holder keeps it.
+    let cost_only = PrefixAware::new(PrefixAwareConfig {
+        itl_overflow: false,
+        ..PrefixAwareConfig::default()
+    });
+    assert_eq!(cost_only.route(&req, &set).unwrap().replica, 0);
     for r in &mut set.replicas {
         r.speed.current_step_s = Some(0.2);
     }
-    assert_eq!(checked.route(&req, &set).unwrap().replica, 0);
     // A replica with nothing running breaks no stream's promise, whatever it last saw.
     let mut idle = timed_fleet(&[0, 20, 30], &[0, 0, 0]);
     idle.replicas[0].speed.current_step_s = Some(0.2);
