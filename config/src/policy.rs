@@ -53,7 +53,7 @@ fn default_tie_ratio() -> f64 {
     0.1
 }
 fn default_itl_headroom() -> f64 {
-    0.95
+    0.85
 }
 fn default_itl_min_reuse() -> f64 {
     2.0
@@ -61,11 +61,8 @@ fn default_itl_min_reuse() -> f64 {
 fn default_itl_fleet_ratio() -> f64 {
     0.0
 }
-fn default_true() -> bool {
-    true
-}
 fn default_warm_headroom() -> f64 {
-    0.85
+    0.7
 }
 fn default_warm_queue_share() -> f64 {
     0.5
@@ -127,13 +124,13 @@ pub struct PrefixAwareConfig {
     pub tie_ms: f64,
     #[serde(default = "default_tie_ratio")]
     pub tie_ratio: f64,
-    /// `ttft` cost: a replica whose running streams would see a p95 inter-token gap (their
-    /// median gap moved by the context in flight there and this request's prompt, plus how far
-    /// their p95 runs over the median) over this share of the route's inter-token promise is
-    /// passed over while another replica would keep within it (the route's own promise, or the
-    /// strictest of the routes sharing its replicas; no promise, no check) — when what it
-    /// holds of the prompt is shared (`itl_min_reuse`). The rest of the promise is room for
-    /// the batch growing during a stream's life. 0 turns the check off.
+    /// `ttft` cost: a replica whose running streams would see a decode step (their median
+    /// inter-token gap, moved by the context in flight there and this request's prompt) over
+    /// this share of the route's inter-token promise is passed over while another replica
+    /// would keep within it (the route's own promise, or the strictest of the routes sharing
+    /// its replicas; no promise, no check) — when what it holds of the prompt is shared
+    /// (`itl_min_reuse`). The rest of the promise is room for the steps that carry prefill and
+    /// for the batch growing during a stream's life. 0 turns the check off.
     #[serde(default = "default_itl_headroom")]
     pub itl_headroom: f64,
     /// The inter-token check passes over a replica holding part of the prompt only when at
@@ -151,13 +148,14 @@ pub struct PrefixAwareConfig {
     #[serde(default = "default_itl_fleet_ratio")]
     pub itl_fleet_ratio: f64,
     /// When every replica would break the inter-token promise with a request, send it to the
-    /// one furthest over (its streams are lost already) instead of the cheapest: the overflow
-    /// lands on few replicas and the rest keep their streams' promise (BENCHMARKS, issue 28).
-    #[serde(default = "default_true")]
+    /// one furthest over (its streams are lost already) instead of the cheapest. Off by
+    /// default: on bursty L4 traffic past the knee it piled the overflow's prefill onto one
+    /// replica (TTFT p95 over 2 s) and kept fewer promises, not more (BENCHMARKS, issue 28).
+    #[serde(default)]
     pub itl_overflow: bool,
     /// `ttft` cost, hot prefixes get a second holder before their holder breaks a promise: when
     /// a request goes to a holder of a prefix at least `warm_min_reuse` recent requests reused,
-    /// and every replica holding as much of it would see a p95 gap over this share of the
+    /// and every replica holding as much of it would see a decode step over this share of the
     /// inter-token promise (or has `warm_queue_share` of a cold prefill queued, below), the
     /// gateway also sends the prompt, for one token, to the cheapest replica that would keep
     /// within the inter-token limit: the next requests of that prefix find it cached there.
@@ -202,7 +200,7 @@ impl Default for PrefixAwareConfig {
             itl_headroom: default_itl_headroom(),
             itl_min_reuse: default_itl_min_reuse(),
             itl_fleet_ratio: default_itl_fleet_ratio(),
-            itl_overflow: true,
+            itl_overflow: false,
             warm_headroom: default_warm_headroom(),
             warm_queue_share: default_warm_queue_share(),
             warm_min_reuse: default_warm_min_reuse(),

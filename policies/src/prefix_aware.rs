@@ -22,32 +22,30 @@
 //! scratch on another replica, the request goes there (`spread`), and that replica becomes a
 //! second holder — later requests are priced across both.
 //!
-//! **The inter-token check** (`itl_headroom`, 0.95 by default): before the cost, a replica whose
-//! running streams would see a p95 inter-token gap — what the promise judges — over 0.95 × the
-//! route's inter-token promise is passed over while another replica would keep within it. The
-//! gap it would see ([`SpeedView::step_with`]): its streams' current median gap moved along
-//! the replica's learnt step-per-context-token line by the prompt tokens dispatched there since
-//! and by this request's own prompt, plus how far its latest gaps' p95 lies over their median
-//! (the steps carrying prefill, which every stream there sees). A decode step reads every
-//! running sequence's context, so forty streams of a 3,000-token system prompt step far slower
-//! than forty of a 1,000-token one; and where requests arrive often, more than one step in
-//! twenty carries a prefill chunk, so a stream's p95 is that step's time, not the median. The
+//! **The inter-token check** (`itl_headroom`, 0.85 by default): before the cost, a replica whose
+//! running streams would see a decode step over 0.85 × the route's inter-token promise is
+//! passed over while another replica would keep within it. The step it would see is its
+//! streams' current median gap moved along the replica's learnt step-per-context-token line by
+//! the prompt tokens dispatched there since and by this request's own prompt
+//! ([`SpeedView::step_with`]): a decode step reads every running sequence's context, so forty
+//! streams of a 3,000-token system prompt step far slower than forty of a 1,000-token one. The
 //! cost prices this request's first token; it does not see that one more stream on a large
 //! batch slows every stream there. A
 //! holder is passed over only for a *shared* prefix (at least `itl_min_reuse` recent requests
 //! reused it, [`RouteRequest::prefix_reuse`]): a second holder of a system prompt serves every
 //! later request, but a conversation's history prefilled elsewhere serves one turn. Where no
 //! replica would keep within the limit, the cost alone decides (the holder keeps the stream:
-//! spreading buys nothing there). `itl_fleet_ratio`, off by default, floors the limit at that
-//! many times the fleet's median step.
+//! spreading buys nothing there; `itl_overflow`, off by default, sends it to the replica
+//! furthest over instead). `itl_fleet_ratio`, off by default, floors the limit at that many
+//! times the fleet's median step.
 //!
 //! **`cost = "tokens"`**: `uncached prompt tokens × prefill_weight (1.0) + requests at the
 //! replica × load_weight (256 token-equivalents) + KV usage ratio × kv_usage_weight (512)`,
 //! the cheapest winning and the rendezvous hash of the prompt's first block breaking ties.
 //!
-//! **Warming** (`warm_headroom`, 0.85; `warm_queue_share`, 0.5; `warm_min_reuse`, 4): when a
+//! **Warming** (`warm_headroom`, 0.7; `warm_queue_share`, 0.5; `warm_min_reuse`, 4): when a
 //! request of a hot prefix goes to a holder and every replica holding as much of it is pressed
-//! (its streams would see p95 gaps over 0.85 × the inter-token promise, or its predicted TTFT is over
+//! (its streams would step over 0.7 × the inter-token promise, or its predicted TTFT is over
 //! half a cold replica's), the decision also names a replica to warm — the cheapest of those
 //! holding less that would keep within the inter-token limit — and the gateway sends it the
 //! prompt for one token: a second holder ahead of the burst, not after it (`warm.rs`).

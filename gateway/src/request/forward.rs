@@ -33,6 +33,7 @@ use crate::request::json_check::is_json_object;
 use crate::request::prepared::Prepared;
 use crate::request::relay::{Head, Relay, RelayCtx};
 use crate::request::sse::{HitPolicy, SseTap, MAX_EVENT_BYTES};
+use crate::request::warm::Warmer;
 use crate::routes::admitted::Admitted;
 use crate::routes::store::{ActivePolicy, ActiveRoute};
 
@@ -371,7 +372,11 @@ impl Forwarder<'_> {
             }
             let sent_at = Instant::now();
             if attempt == 0 {
-                rec.warmed = self.warm(route, p, &d);
+                let warmer = Warmer {
+                    fleet: self.fleet,
+                    prefix: self.prefix,
+                };
+                rec.warmed = warmer.warm(route, p, &d);
             }
             let mut at = Attempt {
                 session,

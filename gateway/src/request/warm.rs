@@ -15,8 +15,8 @@ use policies::{RouteDecision, Warm};
 use serde_json::Value;
 
 use crate::fleet::guards::{InFlight, PendingPrefill};
-use crate::prefix::view::uncached_tokens;
-use crate::request::forward::Forwarder;
+use crate::fleet::registry::Registry;
+use crate::prefix::view::{uncached_tokens, PrefixView};
 use crate::request::prepared::{Endpoint, Prepared};
 use crate::routes::store::ActiveRoute;
 
@@ -48,11 +48,20 @@ pub fn warm_body(p: &Prepared, engine_priority: i32) -> Option<Bytes> {
     serde_json::to_vec(&doc).ok().map(Bytes::from)
 }
 
-impl Forwarder<'_> {
+/// Where a warming request goes and what it is recorded in.
+pub struct Warmer<'a> {
+    pub fleet: &'a Registry,
+    pub prefix: &'a PrefixView,
+}
+
+impl Warmer<'_> {
     /// Sends the decision's warming request, if it names one; returns the warmed replica's
     /// label for the access log.
     pub fn warm(&self, route: &ActiveRoute, p: &Prepared, d: &RouteDecision) -> Option<String> {
-        let Warm { replica: slot, reason } = d.warm?;
+        let Warm {
+            replica: slot,
+            reason,
+        } = d.warm?;
         let replica = self.fleet.replica(slot)?;
         let addr = replica.addr()?;
         let body = warm_body(p, route.cfg.engine_priority)?;
