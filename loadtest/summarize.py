@@ -159,6 +159,14 @@ def access_stats(path: Path, warmup_s: float):
 
     errs = errors(recs)
     whole = errors([r for r in recs if r.get("stream") is False])
+    # The same per replica (those with 20 predicted requests or more): a replica whose speed
+    # the gateway has wrong shows here when the pooled figure hides it.
+    by_replica = defaultdict(list)
+    for r in recs:
+        by_replica[r.get("replica")].append(r)
+    replica_p90 = [
+        quantile(e, 0.9) for e in (errors(rs) for rs in by_replica.values()) if len(e) >= 20
+    ]
     return {
         "queue_p99": quantile(queue, 0.99),
         "queue_share_p99": quantile(queue, 0.99) / max(1e-9, quantile(ttft, 0.99)),
@@ -166,6 +174,8 @@ def access_stats(path: Path, warmup_s: float):
         "err_p50": quantile(errs, 0.5),
         "err_p90": quantile(errs, 0.9),
         "err_p90_unstreamed": quantile(whole, 0.9) if whole else None,
+        "err_p90_best_replica": min(replica_p90) if replica_p90 else None,
+        "err_p90_worst_replica": max(replica_p90) if replica_p90 else None,
         "unstreamed": len(whole),
         "predicted": len(errs) / len(recs),
     }
@@ -186,9 +196,10 @@ def tail_table(folder: Path, warmup_s: float) -> None:
     print()
     print(
         "| rate/s | target | gateway queue p99 ms | ÷ TTFT p99 | queued share of the slowest 5% | "
-        "prediction error p50 | prediction error p90 | of which unstreamed: n, p90 | requests predicted |"
+        "prediction error p50 | prediction error p90 | p90 of the best / worst replica | "
+        "of which unstreamed: n, p90 | requests predicted |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (rate, t), sts in sorted(cells.items()):
         col = lambda k: [x[k] for x in sts if x[k] is not None]  # noqa: E731
         print(
@@ -197,6 +208,8 @@ def tail_table(folder: Path, warmup_s: float) -> None:
             f"{fmt(col('slow_share'), unit='%', digits=1, scale=100)} | "
             f"{fmt(col('err_p50'), unit='%', digits=0, scale=100) if col('err_p50') else '-'} | "
             f"{fmt(col('err_p90'), unit='%', digits=0, scale=100) if col('err_p90') else '-'} | "
+            f"{fmt(col('err_p90_best_replica'), unit='%', digits=0, scale=100) if col('err_p90_best_replica') else '-'} / "
+            f"{fmt(col('err_p90_worst_replica'), unit='%', digits=0, scale=100) if col('err_p90_worst_replica') else '-'} | "
             f"{fmt(col('unstreamed'), digits=0) if any(col('unstreamed')) else '0'}, "
             f"{fmt(col('err_p90_unstreamed'), unit='%', digits=0, scale=100) if col('err_p90_unstreamed') else '-'} | "
             f"{fmt(col('predicted'), unit='%', digits=0, scale=100)} |"

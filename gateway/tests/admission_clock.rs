@@ -61,7 +61,7 @@ impl Replica {
             let p = Prefill {
                 ahead,
                 tokens: PROMPT,
-                cached: 0,
+                ..Prefill::default()
             };
             self.model.observe_ttft(p, Duration::from_secs_f64(ttft));
             self.learnt += 1;

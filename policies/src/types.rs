@@ -54,6 +54,13 @@ pub struct SpeedView {
     pub stall_margin_s: f64,
     /// Prompt tokens the replica prefills per step (its chunk budget).
     pub chunk_tokens: u64,
+    /// Seconds until the step the replica runs now ends (0 when idle): a request sent now
+    /// joins the next one. The learnt fit prices TTFT from there.
+    pub step_wait_s: f64,
+    /// The decode step a request sent now joins (s; 0 when idle). A step costs the larger of
+    /// its memory time and its compute: a prefill that fits under a decode step still takes
+    /// the whole step, and one that does not sets it.
+    pub join_step_s: f64,
 }
 
 impl Default for SpeedView {
@@ -70,6 +77,8 @@ impl Default for SpeedView {
             step_per_context_token_s: 0.0,
             stall_margin_s: 0.0,
             chunk_tokens: 2048,
+            step_wait_s: 0.0,
+            join_step_s: 0.0,
         }
     }
 }
@@ -77,8 +86,8 @@ impl Default for SpeedView {
 /// A replica's predicted cost for one request, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct TtftEstimate {
-    /// Predicted time to first token: overhead + (queued + own uncached tokens) × seconds per
-    /// token. The decode work the replica's running streams add to each prefill step is in the
+    /// Predicted time to first token: the rest of the running step, then the larger of the
+    /// decode step it joins and overhead + (queued + own uncached tokens) × seconds per token. The decode work the replica's running streams add to each prefill step is in the
     /// learnt slope already: the fit learns from whole measured TTFTs, streams and all. Adding
     /// a decode step per prefill step on top counted it twice (mostly-cached requests were
     /// predicted ~1.6× their measured TTFT, BENCHMARKS issue 35).
@@ -108,9 +117,11 @@ impl SpeedView {
         let attention = u * (cached as f64 + u / 2.0) / ATTENTION_UNIT;
         let own_prefill_s = u * self.seconds_per_token + attention * self.seconds_per_attention;
         TtftEstimate {
-            ttft_s: self.overhead_s
-                + (work - uncached) as f64 * self.seconds_per_token
-                + own_prefill_s,
+            ttft_s: self.step_wait_s
+                + (self.overhead_s
+                    + (work - uncached) as f64 * self.seconds_per_token
+                    + own_prefill_s)
+                    .max(self.join_step_s),
             own_prefill_s,
         }
     }
@@ -504,5 +515,26 @@ mod tests {
         assert!((warm.own_prefill_s - cold.own_prefill_s - 0.1).abs() < 1e-9);
         let flat = SpeedView::default();
         assert_eq!(flat.estimate(100, 4096), flat.estimate(100, 0));
+    }
+
+    #[test]
+    fn the_rest_of_the_running_step_comes_first_and_stalls_nobody() {
+        let idle = SpeedView::default();
+        let busy = SpeedView {
+            step_wait_s: 0.07,
+            ..idle
+        };
+        let (a, b) = (idle.estimate(50, 1000), busy.estimate(50, 1000));
+        assert!((b.ttft_s - a.ttft_s - 0.07).abs() < 1e-12, "{a:?} {b:?}");
+        assert_eq!(a.own_prefill_s, b.own_prefill_s);
+        // Joining a 100 ms decode step: 50 tokens (26 ms of prefill) take the whole step, 2,000
+        // (270 ms) set it.
+        let joined = SpeedView {
+            join_step_s: 0.1,
+            ..busy
+        };
+        let small = joined.estimate(50, 1000).ttft_s;
+        assert!((small - 0.17).abs() < 1e-12, "{small}");
+        assert_eq!(joined.estimate(2000, 0), busy.estimate(2000, 0));
     }
 }

@@ -14,9 +14,10 @@
 //! feeds it and the admission rule (`routes/admissible.rs`) judges requests by its
 //! predictions. It holds no I/O and no clock.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::fleet::step_fit::StepFit;
+use crate::fleet::step_phase::StepPhase;
 use crate::fleet::ttft_fit::{attention, TtftCoefficients, TtftFit};
 
 /// Exponentially weighted moving average; `None` until the first sample.
@@ -138,7 +139,18 @@ pub struct Prefill {
     pub tokens: u64,
     /// Its prompt tokens before those, cached there (what its own attend to).
     pub cached: u64,
+    /// The rest of the step the replica was running when it was sent (s, `StepPhase`): not
+    /// the fit's to learn.
+    pub step_wait_s: f64,
+    /// The decode step it joined (s; 0 on an idle replica). A prefill that fits under it (a
+    /// memory-bound step hides the compute of a few hundred tokens) says only that: the fit
+    /// does not learn from it.
+    pub step_s: f64,
 }
+
+/// A first token within this many decode steps of the step it joined came from a step its
+/// prefill did not lengthen.
+const HIDDEN_UNDER_STEP: f64 = 1.2;
 
 /// What the gateway has learnt about one replica's speed.
 #[derive(Debug, Clone, Default)]
@@ -152,6 +164,8 @@ pub struct LatencyModel {
     current_p95: Quantile<950>,
     /// The step against the context in flight.
     step: StepFit,
+    /// Where the replica is in its running step.
+    phase: StepPhase,
 }
 
 impl LatencyModel {
@@ -165,13 +179,37 @@ impl LatencyModel {
         );
     }
 
-    /// A request with the prefill `p` in front of its first token saw it after `ttft`.
+    /// A request with the prefill `p` in front of its first token saw it after `ttft`; the fit
+    /// learns it less the rest of the step it was sent into, unless its own step was no longer
+    /// than a decode step. A step costs the larger of its memory time (weights and KV read
+    /// once) and its compute, so a small prefill on a busy replica takes one decode step
+    /// whatever its size, and a line through those and the compute-bound ones fits neither:
+    /// prediction is `max(decode step, line)` (`SpeedView::estimate`).
     pub fn observe_ttft(&mut self, p: Prefill, ttft: Duration) {
-        let s = ttft.as_secs_f64();
-        if s > 0.0 {
+        if ttft > Duration::ZERO {
+            let s = (ttft.as_secs_f64() - p.step_wait_s).max(0.0);
+            if p.step_s > 0.0 && s <= HIDDEN_UNDER_STEP * p.step_s {
+                return;
+            }
             let work = (p.ahead + p.tokens) as f64;
             self.ttft.observe(work, attention(p.tokens, p.cached), s);
         }
+    }
+
+    /// A token or an answer came back at `at`: one of the replica's steps ended then.
+    pub fn token_relayed(&mut self, at: Instant) {
+        self.phase.relayed(at);
+    }
+
+    /// Seconds until the replica's running step ends, for a request sent at `now` (`busy`: it
+    /// has requests running): the request joins the next step ([`StepPhase::wait`]).
+    pub fn step_wait(&self, now: Instant, busy: bool) -> f64 {
+        self.phase.wait(now, self.current.q, busy)
+    }
+
+    /// The rest of a busy replica's running step on average, whatever its phase: half a step.
+    pub fn mean_step_wait(&self) -> f64 {
+        self.current.q.map_or(0.0, |s| s / 2.0)
     }
 
     /// TTFT observations so far.
@@ -258,7 +296,8 @@ impl LatencyModel {
     }
 
     /// Predicted time to first token behind `ahead` queued tokens with `tokens` of its own
-    /// after `cached` cached ones.
+    /// after `cached` cached ones, from the start of the step it joins (add [`Self::step_wait`]
+    /// or [`Self::mean_step_wait`] on a busy replica).
     pub fn predict_ttft(&self, ahead: u64, tokens: u64, cached: u64) -> Option<Duration> {
         let t = self.ttft.coefficients().predict(ahead, tokens, cached);
         Some(Duration::from_secs_f64(t))
@@ -315,6 +354,8 @@ pub(crate) mod tests {
             ahead,
             tokens,
             cached: 0,
+            step_wait_s: 0.0,
+            step_s: 0.0,
         }
     }
 
@@ -344,6 +385,50 @@ pub(crate) mod tests {
         }
         let rate = m.prefill_rate().unwrap();
         assert!((rate - 2_000.0).abs() < 200.0, "{rate}");
+    }
+
+    #[test]
+    fn the_fit_learns_from_the_step_a_request_joins_not_the_one_it_waited_for() {
+        // 100 ms steps; a 50-token request waits out the running step (sent at any phase),
+        // then takes one step of its own. Told the wait, the fit learns the one step and the
+        // prediction plus the wait is right at every phase; the fit alone is a step and a half.
+        let (mut told, mut blind) = (LatencyModel::default(), LatencyModel::default());
+        for i in 0..200u64 {
+            let wait = (i * 37 % 100) as f64 / 1000.0;
+            let ttft = Duration::from_secs_f64(wait + 0.1);
+            told.observe_ttft(
+                Prefill {
+                    step_wait_s: wait,
+                    ..p(0, 50)
+                },
+                ttft,
+            );
+            blind.observe_ttft(p(0, 50), ttft);
+        }
+        let own = told.predict_ttft(0, 50, 0).unwrap().as_secs_f64();
+        assert!((own - 0.1).abs() < 0.005, "{own}");
+        let mean = blind.predict_ttft(0, 50, 0).unwrap().as_secs_f64();
+        assert!((mean - 0.15).abs() < 0.01, "{mean}");
+    }
+
+    #[test]
+    fn prefills_hidden_under_a_decode_step_do_not_bend_the_line() {
+        // A busy replica with 100 ms decode steps that computes 4k prefill tokens/s: a step
+        // takes the larger of the two. The line learns from the steps prefill lengthened only.
+        let truth = |u: u64| (0.01 + u as f64 / 4_000.0).max(0.1);
+        let mut m = LatencyModel::default();
+        for i in 0..300u64 {
+            let u = 100 + (i * 131) % 1900;
+            let pf = Prefill {
+                step_s: 0.1,
+                ..p(0, u)
+            };
+            m.observe_ttft(pf, Duration::from_secs_f64(truth(u)));
+        }
+        for u in [800, 2000] {
+            let t = m.predict_ttft(0, u, 0).unwrap().as_secs_f64();
+            assert!((t - truth(u)).abs() < 0.03 * truth(u), "{u}: {t}");
+        }
     }
 
     #[test]

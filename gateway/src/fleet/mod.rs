@@ -26,6 +26,7 @@ pub mod prompt_check;
 pub mod registry;
 pub mod replica;
 pub mod step_fit;
+pub mod step_phase;
 pub mod tasks;
 pub mod throughput;
 pub mod ttft_fit;

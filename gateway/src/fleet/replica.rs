@@ -291,12 +291,24 @@ impl ReplicaHandle {
             .remaining(Instant::now(), overhead_s, seconds_per_token)
     }
 
+    /// For a request sent at `now`: seconds until the step this replica runs ends, and the
+    /// decode step it then joins (0 when idle).
+    pub fn joins(&self, now: Instant) -> (f64, f64) {
+        let busy = self.load().requests() > 0;
+        let context = self.context_in_flight.load(Ordering::Relaxed);
+        let m = self.model.lock();
+        let step = if busy { m.step_at(context) } else { None };
+        (m.step_wait(now, busy), step.unwrap_or(0.0))
+    }
+
     /// What placement knows of this replica's speed now: the learnt TTFT fit, the prefill
     /// queued ahead, the decode step with one more sequence and the one its streams see now,
     /// the chunk budget.
     pub fn speed(&self) -> SpeedView {
         let batch = self.load().requests() + 1;
+        let now = Instant::now();
         let m = self.model.lock();
+        let step_now_s = m.step_at(self.context_in_flight.load(Ordering::Relaxed));
         let plane = m.ttft_plane();
         let (overhead_s, seconds_per_token) = (plane.overhead_s, plane.seconds_per_token);
         let chunk = self.chunk_tokens.load(Ordering::Relaxed);
@@ -304,20 +316,23 @@ impl ReplicaHandle {
             overhead_s,
             seconds_per_token,
             seconds_per_attention: plane.seconds_per_attention,
-            queued_prefill_tokens: self.prefill.remaining(
-                Instant::now(),
-                overhead_s,
-                seconds_per_token,
-            ) + self.peer_prefill.load(Ordering::Relaxed),
+            queued_prefill_tokens: self.prefill.remaining(now, overhead_s, seconds_per_token)
+                + self.peer_prefill.load(Ordering::Relaxed),
             decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
             current_step_s: m.current_step().map(|d| d.as_secs_f64()),
-            step_now_s: m.step_at(self.context_in_flight.load(Ordering::Relaxed)),
+            step_now_s,
             step_per_context_token_s: m.step_per_context_token(),
             stall_margin_s: m.stall_margin(),
             chunk_tokens: if chunk > 0 {
                 chunk
             } else {
                 SpeedView::default().chunk_tokens
+            },
+            step_wait_s: m.step_wait(now, batch > 1),
+            join_step_s: if batch > 1 {
+                step_now_s.unwrap_or(0.0)
+            } else {
+                0.0
             },
         }
     }

@@ -99,6 +99,8 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
                     "step_per_context_token_s": r.speed.step_per_context_token_s,
                     "stall_margin_s": r.speed.stall_margin_s,
                     "chunk_tokens": r.speed.chunk_tokens,
+                    "step_wait_s": r.speed.step_wait_s,
+                    "join_step_s": r.speed.join_step_s,
                 },
                 "predicted_ttft_s": score.and_then(|s| s.estimate).map(|e| e.ttft_s),
                 "own_prefill_s": score.and_then(|s| s.estimate).map(|e| e.own_prefill_s),

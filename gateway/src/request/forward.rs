@@ -356,6 +356,7 @@ impl Forwarder<'_> {
             };
             // Subscribed before sending, so an ejection in between is not missed.
             let mut ejected = Box::pin(replica.ejected());
+            let (step_wait_s, step_s) = replica.joins(Instant::now());
             let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
             let uncached_tokens = uncached_tokens(p.prompt_tokens, d.matched_blocks, block_size);
             let (pending, ahead_tokens) = match admitted.pending.take() {
@@ -448,6 +449,8 @@ impl Forwarder<'_> {
                     ahead: ahead_tokens,
                     tokens: uncached_tokens,
                     cached: cached_tokens,
+                    step_wait_s,
+                    step_s,
                 },
                 pending,
                 admitted: &admitted,

@@ -137,6 +137,7 @@ impl Relay<'_> {
     fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) -> Option<Duration> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
+        model.token_relayed(now);
         let batch = ctx.replica.load().requests().max(1);
         let decode = match output_tokens {
             0 | 1 => Duration::ZERO,
@@ -351,8 +352,10 @@ impl Relay<'_> {
                         ctx.pending.done();
                         outcome.ttft = Some(now - ctx.started);
                         stats.ttft_seconds.record((now - ctx.started).as_secs_f64());
-                        let ttft = now - ctx.sent_at;
-                        ctx.replica.model.lock().observe_ttft(ctx.prefill, ttft);
+                        let mut model = ctx.replica.model.lock();
+                        model.observe_ttft(ctx.prefill, now - ctx.sent_at);
+                        model.token_relayed(now);
+                        drop(model);
                         Self::score_prediction(ctx, Some(now - ctx.sent_at), rec);
                     }
                     Some(prev) => {
@@ -364,6 +367,7 @@ impl Relay<'_> {
                             stats.inter_token_seconds.record(seen.as_secs_f64());
                             model.observe_gap_at(batch, context, step);
                         }
+                        model.token_relayed(now);
                     }
                 }
                 coalesced = 0;

@@ -105,9 +105,15 @@ pub fn admissible(
     if p.running > 0 && p.kv_usage > kv_high_water {
         return Err(Hold::KvHighWater { usage: p.kv_usage });
     }
+    // Busy here: the request first waits for the running step, half of one on average, then
+    // takes at least a decode step.
+    let wait = Duration::from_secs_f64(model.mean_step_wait());
+    let step = model.current_step().unwrap_or(Duration::ZERO);
     if let (Some(target), Some(predicted)) = (
         slo.ttft,
-        model.predict_ttft(p.queued_prefill_tokens, tokens, cached),
+        model
+            .predict_ttft(p.queued_prefill_tokens, tokens, cached)
+            .map(|t| t.max(step) + wait),
     ) {
         if predicted > target {
             return Err(Hold::Ttft { predicted });
