@@ -2,15 +2,16 @@
 # The cuda backend's check on an NVIDIA GPU, in one run (under 10 minutes):
 #   1. every kernel compiles with NVRTC for sm_80, sm_89 and sm_90;
 #   2. the GPU tests: logits against the cpu backend for 10 prompts, greedy tokens for 32 steps,
-#      prefix reuse on the GPU, a batch of 64 mixed prefill/decode sequences, top-p sampling;
-#   3. the benchmarks (replica/examples/cuda_bench.rs): decode tokens/s at batch 1, 64 and 256,
+#      prefix reuse on the GPU, a batch of 64 mixed prefill/decode sequences, top-p sampling,
+#      and SmolLM2 (models/smollm2, when here) on both backends: logits and 64 greedy tokens;
+#   3. the benchmarks (replica/examples/cuda_bench.rs): decode tokens/s at batch 1, 16, 64 and 256,
 #      the paged-attention kernel's bandwidth against a device-to-device copy, and the sim
 #      roofline's predicted step times against the measured ones. The model is
 #      $KVGATE_BENCH_MODEL's shape (default llama-3.1-8b: ~16 GB of f16 weights plus a 40 GB KV
 #      cache, so a GPU of 64 GB or more), compared with the roofline of $KVGATE_GPU_PROFILE
 #      (default: h200, h100, a100 or l4 from the device's name);
-#   4. `kvgate up --backend cuda` serving a chat completion through the gateway (a synthetic
-#      model and models/qwen3's tokenizer: no model file needs to be on the machine).
+#   4. `kvgate up --backend cuda` serving a chat completion through the gateway: SmolLM2 when
+#      models/smollm2 is here, else a synthetic model with models/qwen3's tokenizer.
 # Missing a GPU, NVRTC or cuBLAS is a failure here (KVGATE_REQUIRE_GPU, KVGATE_REQUIRE_NVRTC).
 # NVRTC and cuBLAS are looked for in the CUDA toolkit and in python3's `nvidia-*` wheels.
 #
@@ -109,13 +110,29 @@ if [ -z "$profile" ]; then
 fi
 KVGATE_BENCH_OUT="$out/gpu-bench.md" "$bin/cuda_bench" "$profile" "${KVGATE_BENCH_MODEL:-llama-3.1-8b}" || status=1
 echo "== 4. kvgate up --backend cuda"
-model=$(mktemp -d)/synthetic
+# The default real model (SmolLM2, models/smollm2) when it is here, else a synthetic model with
+# models/qwen3's tokenizer (then the answer is noise, but it went through the whole path).
+smol=models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 tok=models/qwen3
-if [ -f "$tok/tokenizer.json" ]; then
+args=()
+question="Hello!"
+served=synthetic
+if [ -f "$smol" ]; then
+  served=SmolLM2-135M-Instruct.Q4_1
+  question="What is the capital of France? Answer in one sentence."
+  args=(--model "$smol")
+elif [ -f "$tok/tokenizer.json" ]; then
+  model=$(mktemp -d)/synthetic
   vocab=$(python3 -c 'import json,sys; t=json.load(open(sys.argv[1])); print(max(t["model"]["vocab"].values())+1+len(t.get("added_tokens",[])))' "$tok/tokenizer.json")
   "$bin/synthetic_model" "$model" "$((vocab + 256))"
+  args=(--model "$model" --tokenizer "$tok")
+else
+  echo "skipped: neither $smol nor $tok/tokenizer.json is here (carry models/)"
+  args=(skip)
+fi
+if [ "${args[0]:-}" != skip ]; then
   upl=$(mktemp)
-  RUST_BACKTRACE=0 "$bin/kvgate" up --backend cuda --model "$model" --tokenizer "$tok" --port 0 --admin-port 0 >"$upl" 2>&1 &
+  RUST_BACKTRACE=0 "$bin/kvgate" up --backend cuda "${args[@]}" --port 0 --admin-port 0 >"$upl" 2>&1 &
   up=$!
   url=""
   for _ in $(seq 1 240); do
@@ -125,20 +142,19 @@ if [ -f "$tok/tokenizer.json" ]; then
     sleep 0.5
   done
   if [ -n "$url" ]; then
-    body='{"model":"synthetic","messages":[{"role":"user","content":"Hello!"}],"max_tokens":16}'
+    body="{\"model\":\"$served\",\"messages\":[{\"role\":\"user\",\"content\":\"$question\"}],\"max_tokens\":32,\"temperature\":0}"
     if curl -sf "$url/v1/chat/completions" -H 'content-type: application/json' -d "$body" | tee "$out/chat.json"; then
       echo; echo "served through the gateway by a cuda replica"
     else
       echo "the chat completion failed"; status=1
     fi
+    curl -sf "$url/metrics" 2>/dev/null | grep -E '^kvgate_(ttft|requests)' | head -8 || true
   else
     echo "kvgate up --backend cuda did not become ready:"; status=1
   fi
   kill $up 2>/dev/null || true
   wait $up 2>/dev/null || true
   tail -20 "$upl"
-else
-  echo "skipped: $tok/tokenizer.json is not here (carry models/qwen3)"
 fi
 echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status

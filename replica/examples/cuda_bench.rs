@@ -1,6 +1,6 @@
 //! The GPU figures of docs/BENCHMARKS.md, run by `scripts/gpu-check.sh` (feature `cuda`):
 //!
-//! - decode tokens/s at batch 1, 64 and 256 (512-token contexts) and one prefill step;
+//! - decode tokens/s at batch 1, 16, 64 and 256 (512-token contexts) and one prefill step;
 //! - the paged-attention decode kernel's achieved bandwidth against a device-to-device copy
 //!   timed in the same run;
 //! - the `sim` roofline's predicted step time for the same model on the named GPU profile
@@ -110,8 +110,8 @@ fn run() -> Result<()> {
     });
     let mut rows = Vec::new();
 
-    // Decode at batch 1, 64 and 256.
-    for batch in [1usize, 64, 256] {
+    // Decode at batch 1, 16, 64 and 256.
+    for batch in [1usize, 16, 64, 256] {
         let per_seq = (CONTEXT + DECODE_STEPS + 2).div_ceil(BLOCK);
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())

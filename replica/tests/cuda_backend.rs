@@ -65,12 +65,15 @@ struct Pair {
 
 impl Pair {
     fn new() -> Pair {
-        let w = model();
-        let mut gpu = CudaBackend::new(0, &w, BLOCK, KvBlocks::Count(BLOCKS), 4096, 128)
+        Pair::with(&model())
+    }
+
+    fn with(w: &LlamaWeights) -> Pair {
+        let mut gpu = CudaBackend::new(0, w, BLOCK, KvBlocks::Count(BLOCKS), 4096, 128)
             .unwrap_or_else(|e| panic!("{e}"));
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         let mut cpu =
-            CpuBackend::new(Arc::new(synthetic::dequantized(&w)), BLOCK, BLOCKS, threads).unwrap();
+            CpuBackend::new(Arc::new(synthetic::dequantized(w)), BLOCK, BLOCKS, threads).unwrap();
         gpu.capture_logits(true);
         cpu.capture_logits(true);
         Pair {
@@ -331,4 +334,81 @@ fn top_p_sampling_on_the_device_keeps_to_the_nucleus() {
             nucleus.len()
         );
     }
+}
+
+/// SmolLM2-135M-Instruct (the `cpu` backend's default model, Q4_1) from `$KVGATE_SMOLLM2`, or
+/// `models/smollm2/` under the working directory or the repository. `None` when absent.
+fn smollm2_file() -> Option<std::path::PathBuf> {
+    const FILE: &str = "models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+    let candidates = [
+        std::env::var_os("KVGATE_SMOLLM2").map(std::path::PathBuf::from),
+        Some(std::path::PathBuf::from(FILE)),
+        Some(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(FILE),
+        ),
+    ];
+    candidates.into_iter().flatten().find(|p| p.is_file())
+}
+
+/// The real model: the GPU runs its Q4_1 weights widened to f16, the CPU the same values in
+/// f32; a chat prompt's logits within tolerance, then 64 greedy tokens equal (both continue
+/// from the GPU's token; a difference is allowed only at a near-tie the CPU itself sees).
+#[test]
+fn smollm2_on_the_gpu_answers_as_on_the_cpu() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let Some(file) = smollm2_file() else {
+        eprintln!("skipped: SmolLM2 is not here (scripts/fetch-models.sh, or KVGATE_SMOLLM2)");
+        return;
+    };
+    let w = LlamaWeights::load(&file, replica::model::LoadOptions::default())
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let tok = protocol::tokenizer::TextTokenizer::from_path(&file).unwrap();
+    let mut p = Pair::with(&w);
+    let prompts = [
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    ];
+    let (mut equal, mut ties, mut worst) = (0, 0, 0f32);
+    for (s, text) in prompts.iter().enumerate() {
+        let prompt = tok.encode(text, false).unwrap();
+        let table = p.blocks(prompt.len() + 64);
+        let ((g, gl), (_, cl)) = p.step(&[item(s as u64, &prompt, 0, &table, true, 0)]);
+        worst = worst.max(rel_err(&gl[0], &cl[0]));
+        let mut out = vec![g[0]];
+        for k in 0..63 {
+            let ctx = prompt.len() + k;
+            let last = *out.last().unwrap();
+            let ((g, gl), (c, cl)) = p.step(&[item(s as u64, &[last], ctx, &table, true, k + 1)]);
+            worst = worst.max(rel_err(&gl[0], &cl[0]));
+            if g[0] == c[0] {
+                equal += 1;
+            } else {
+                let row = &cl[0];
+                let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let gap = (row[c[0] as usize] - row[g[0] as usize]).abs();
+                assert!(
+                    gap <= TOLERANCE * scale,
+                    "prompt {s}, step {k}: gpu chose {} and cpu {} (logit gap {gap}, scale {scale})",
+                    g[0],
+                    c[0]
+                );
+                ties += 1;
+            }
+            out.push(g[0]);
+        }
+        eprintln!(
+            "SmolLM2 prompt {s} on the GPU: {:?}",
+            tok.decode(&out, true).unwrap_or_default()
+        );
+    }
+    eprintln!(
+        "SmolLM2: {equal} of 126 greedy tokens equal, {ties} near-ties; worst logit error \
+         {worst:.2e} of the row's largest logit (tolerance {TOLERANCE:.2e})"
+    );
+    assert!(worst <= TOLERANCE, "worst logit error {worst}");
+    assert!(ties <= 2, "{ties} near-ties in 126 steps");
 }
