@@ -13,8 +13,61 @@
 // contexts and few tiles: decode), each writes its running max, sum and unnormalised
 // accumulator, and `attention_combine` merges them.
 //
+// Loading a chunk: each thread loads 16-byte pieces of keys and values into registers (the
+// host admits head sizes that are multiples of 32 only), and the next chunk's loads are issued
+// before the current chunk is scored, so memory and arithmetic overlap: a chunk in flight per
+// block rather than one 4-byte load per thread at a time.
+//
 // ATT_THREADS, ATT_WARPS, ATT_CHUNK, ATT_MAX_ROWS and ATT_MAX_HD are defined by the host
 // (kernels/src/cuda_program.rs), which sizes the launch from the same numbers.
+
+// 16-byte pieces of one chunk's keys (and as many of its values) each thread carries.
+#define ATT_VEC_SLOTS ((ATT_CHUNK * ATT_MAX_HD / 8 + ATT_THREADS - 1) / ATT_THREADS)
+// The values' staging area starts 16-byte aligned (uint4 stores).
+static_assert((2 * ATT_MAX_ROWS * ATT_MAX_HD + 2 * ATT_MAX_ROWS +
+               ATT_CHUNK * (ATT_MAX_HD / 2 + 1)) % 4 == 0,
+              "the value staging area must be 16-byte aligned");
+
+struct KvPieces {
+    uint4 k[ATT_VEC_SLOTS];
+    uint4 v[ATT_VEC_SLOTS];
+};
+
+// Issues this thread's loads of chunk [c0, c0 + n_pos) of head `kvh` (hq pieces per position).
+__device__ __forceinline__ void att_load(KvPieces& r, const half_t* kc, const half_t* vc,
+                                         const u32* table, int c0, int n_pos, int hq,
+                                         int kv_heads, int kvh, int bs, int hd) {
+#pragma unroll
+    for (int u = 0; u < ATT_VEC_SLOTS; u++) {
+        const int w = threadIdx.x + u * ATT_THREADS;
+        if (w < n_pos * hq) {
+            const int p = w / hq, e = w - p * hq;
+            const int pos = c0 + p;
+            const long long block = table[pos / bs];
+            const long long at = ((block * kv_heads + kvh) * bs + pos % bs) * hd;
+            r.k[u] = ((const uint4*)(kc + at))[e];
+            r.v[u] = ((const uint4*)(vc + at))[e];
+        }
+    }
+}
+
+// Writes what att_load brought into the staging area (keys in padded rows, values dense).
+__device__ __forceinline__ void att_store(const KvPieces& r, u32* ks, u32* vs, int n_pos,
+                                          int hq, int hw) {
+#pragma unroll
+    for (int u = 0; u < ATT_VEC_SLOTS; u++) {
+        const int w = threadIdx.x + u * ATT_THREADS;
+        if (w < n_pos * hq) {
+            const int p = w / hq, e = w - p * hq;
+            u32* kd = ks + p * (hw + 1) + 4 * e;
+            kd[0] = r.k[u].x;
+            kd[1] = r.k[u].y;
+            kd[2] = r.k[u].z;
+            kd[3] = r.k[u].w;
+            ((uint4*)(vs + p * hw))[e] = r.v[u];
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) paged_attention(
     const float* qkv, int stride, const half_t* kc, const half_t* vc, const int* tiles,
@@ -52,17 +105,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) paged_attention(
     }
     __syncwarp();
 
+    const int hq = hd / 8;  // 16-byte pieces per head vector (hd is a multiple of 32)
+    KvPieces next;
+    if (p0 < p1)
+        att_load(next, kc, vc, table, p0, min(ATT_CHUNK, p1 - p0), hq, kv_heads, kvh, bs, hd);
     for (int c0 = p0; c0 < p1; c0 += ATT_CHUNK) {
         const int n_pos = min(ATT_CHUNK, p1 - c0);
         __syncthreads();  // nobody still reads the previous chunk
-        for (int w = threadIdx.x; w < n_pos * hw; w += ATT_THREADS) {
-            const int p = w / hw, e = w - p * hw;
-            const int pos = c0 + p;
-            const long long block = table[pos / bs];
-            const long long at = ((block * kv_heads + kvh) * bs + pos % bs) * hd;
-            ks[p * (hw + 1) + e] = ((const u32*)(kc + at))[e];
-            vs[p * hw + e] = ((const u32*)(vc + at))[e];
-        }
+        att_store(next, ks, vs, n_pos, hq, hw);
+        const int c1 = c0 + ATT_CHUNK;
+        if (c1 < p1)  // in flight while this chunk is scored
+            att_load(next, kc, vc, table, c1, min(ATT_CHUNK, p1 - c1), hq, kv_heads, kvh, bs, hd);
         __syncthreads();
         for (int r = warp; r < rows; r += ATT_WARPS) {
             const int limit = first_pos + r / group + 1;  // positions < limit are visible

@@ -273,6 +273,45 @@ fn run() -> Result<()> {
         attention.push((batch, ctx, parts, s, bytes / s));
     }
 
+    // The GEMMs alone (cuBLAS, f16 weights and activations, f32 output): each of a layer's
+    // matrices and the LM head at the decode batches, as bandwidth against the copy's, and
+    // what the model's GEMMs add up to per decode step (to set against the measured step).
+    let inter = c.intermediate;
+    let shapes = [
+        ("qkv", qd + 2 * kvd, c.hidden, c.layers),
+        ("o", c.hidden, qd, c.layers),
+        ("gate+up", 2 * inter, c.hidden, c.layers),
+        ("down", c.hidden, inter, c.layers),
+        ("lm head", c.vocab_size, c.hidden, 1),
+    ];
+    let biggest = shapes.iter().map(|s| s.1 * s.2).max().unwrap_or(0);
+    let wbuf = gpu.zeros::<u16>(biggest)?;
+    let xbuf = gpu.zeros::<u16>(64 * inter.max(c.hidden))?;
+    let cbuf = gpu.zeros::<f32>(64 * shapes.iter().map(|s| s.1).max().unwrap_or(0))?;
+    let mut gemms = Vec::new();
+    for n in [1usize, 16, 64] {
+        let mut per_step = 0.0;
+        for &(name, out_f, in_f, times) in &shapes {
+            let s = gpu.timed(20, || {
+                gpu.gemm_f16(
+                    gpu.ptr(&xbuf),
+                    gpu.ptr(&wbuf),
+                    gpu.ptr(&cbuf),
+                    n,
+                    out_f,
+                    in_f,
+                    out_f,
+                    0.0,
+                )
+            })?;
+            per_step += s * times as f64;
+            let bytes = (out_f * in_f * 2) as f64;
+            gemms.push((n, name.to_string(), out_f, in_f, s, bytes / s));
+        }
+        gemms.push((n, "all of a decode step".into(), 0, 0, per_step, 0.0));
+    }
+    drop((wbuf, xbuf, cbuf));
+
     let calibrate = |want: &str| -> Option<f64> {
         let r: Vec<&Row> = rows.iter().filter(|r| r.bound == want).collect();
         (!r.is_empty()).then(|| {
@@ -311,6 +350,22 @@ fn run() -> Result<()> {
             bw / 1e9,
             100.0 * bw / copy_bw
         ));
+    }
+    md.push_str("\n| cuBLAS GEMM alone (f16 × f16 → f32) | tokens | time | weight bandwidth | of the copy's |\n|---|---|---|---|---|\n");
+    for (n, name, out_f, in_f, s, bw) in &gemms {
+        if *out_f == 0 {
+            md.push_str(&format!(
+                "| **{name}** (sum over the layers and the head) | {n} | **{:.2} ms** | | |\n",
+                s * 1e3
+            ));
+        } else {
+            md.push_str(&format!(
+                "| {name} ({in_f} → {out_f}) | {n} | {:.1} µs | {:.0} GB/s | {:.0}% |\n",
+                s * 1e6,
+                bw / 1e9,
+                100.0 * bw / copy_bw
+            ));
+        }
     }
     if let Some(r) = calibrate("Memory") {
         md.push_str(&format!(
