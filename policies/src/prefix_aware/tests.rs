@@ -256,10 +256,10 @@ fn a_busy_fleet_under_the_promise_keeps_its_holders() {
 #[test]
 fn a_holder_over_the_promise_spreads_even_when_most_of_the_fleet_is_as_slow() {
     // Five of eight replicas hold long system prompts and step at ~145 ms, three step at
-    // ~100 ms (bursty traffic on L4s, BENCHMARKS issue 28): the holder's streams break the
-    // 150 ms promise at their p95 (steps carrying prefill add 10-30 ms), the fast three keep it. A limit floored at the fleet's
-    // median step (145 ms x 1.1) kept every such request on its holder; the promise alone
-    // sends it to a replica that keeps it.
+    // ~100 ms (bursty traffic on L4s, BENCHMARKS issue 28): the holder's median step is over
+    // the limit of 0.85 x the 150 ms promise (127.5 ms), the fast three are under it. A limit
+    // floored at the fleet's median step (145 ms x 1.1) kept every such request on its
+    // holder; the promise alone sends it to a replica that keeps it.
     let hashes = [7u64; 250];
     let steps = [0.145, 0.146, 0.144, 0.147, 0.150, 0.100, 0.092, 0.113];
     let set = stepped_fleet(&[40; 8], &steps);
