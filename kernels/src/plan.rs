@@ -123,9 +123,15 @@ impl StepPlan {
 ///
 /// A step with few tiles (decode at a small batch) would leave most of the GPU's
 /// multiprocessors idle with one block per (tile, KV head); its context is then split so that
-/// about four blocks run per multiprocessor, in partitions of at least 256 positions. The
-/// partial results take `partitions × tokens × heads × (head_dim + 2)` floats, which must fit
+/// about four blocks run per multiprocessor, in partitions of at least [`MIN_PARTITION`]
+/// positions. The partial results take `partitions × tokens × heads × (head_dim + 2)` floats, which must fit
 /// in `budget_floats`.
+/// The shortest context partition: one staged chunk. A block works through its chunks one
+/// after another, about 6 µs each on an H200, so a decode at batch 1 and context 512 in
+/// partitions of 256 (16 blocks for 8 KV heads) took 49 µs a layer, 1.6 ms of a 7.6 ms
+/// step (BENCHMARKS, issue 34); more, shorter partitions run side by side.
+pub const MIN_PARTITION: usize = ATT_CHUNK;
+
 #[allow(clippy::too_many_arguments)]
 pub fn partitions(
     tiles: usize,
@@ -140,17 +146,20 @@ pub fn partitions(
     let whole = (1, max_ctx.max(1).next_multiple_of(ATT_CHUNK));
     let blocks = tiles * kv_heads;
     let target = 4 * multiprocessors;
-    if blocks == 0 || blocks >= target || max_ctx <= 256 {
+    if blocks == 0 || blocks >= target || max_ctx <= MIN_PARTITION {
         return whole;
     }
     let wanted = target.div_ceil(blocks);
     let per_part = tokens * heads * (head_dim + 2);
     let affordable = budget_floats / per_part.max(1);
-    let parts = wanted.min(affordable).min(max_ctx.div_ceil(256));
+    let parts = wanted.min(affordable).min(max_ctx.div_ceil(MIN_PARTITION));
     if parts <= 1 {
         return whole;
     }
-    let len = max_ctx.div_ceil(parts).next_multiple_of(ATT_CHUNK).max(256);
+    let len = max_ctx
+        .div_ceil(parts)
+        .next_multiple_of(ATT_CHUNK)
+        .max(MIN_PARTITION);
     (max_ctx.div_ceil(len), len)
 }
 
@@ -216,14 +225,16 @@ mod tests {
         // One sequence, 8 KV heads, 4,000 positions, 132 multiprocessors: 8 blocks would run.
         let (parts, len) = partitions(1, 8, 4000, 132, 1, 32, 128, 1 << 24);
         assert!(
-            parts > 1 && len >= 256 && len % ATT_CHUNK == 0,
+            parts > 1 && len >= MIN_PARTITION && len % ATT_CHUNK == 0,
             "{parts} × {len}"
         );
         assert!(parts * len >= 4000 && (parts - 1) * len < 4000);
         // A prefill of 256 tiles already fills the GPU.
         assert_eq!(partitions(256, 8, 4000, 132, 4096, 32, 128, 1 << 24).0, 1);
-        // Short contexts are never split, nor beyond the scratch budget.
-        assert_eq!(partitions(1, 8, 200, 132, 1, 32, 128, 1 << 24).0, 1);
+        // A decode at context 512 runs in one-chunk partitions (16 × 8 = 128 blocks).
+        assert_eq!(partitions(1, 8, 512, 132, 1, 32, 128, 1 << 24), (16, 32));
+        // A context of one chunk is never split, nor beyond the scratch budget.
+        assert_eq!(partitions(1, 8, 32, 132, 1, 32, 128, 1 << 24).0, 1);
         assert_eq!(partitions(1, 8, 4000, 132, 1, 32, 128, 32 * 130).0, 1);
     }
 }

@@ -208,7 +208,7 @@ fn run() -> Result<()> {
     let c = &config;
     let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
     let mut attention = Vec::new();
-    for (batch, ctx) in [(1usize, 8192usize), (64, 4096), (256, 1024)] {
+    for (batch, ctx) in [(1usize, 512usize), (1, 8192), (64, 4096), (256, 1024)] {
         let per_seq = ctx / BLOCK;
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
@@ -312,6 +312,65 @@ fn run() -> Result<()> {
     }
     drop((wbuf, xbuf, cbuf));
 
+    // The other kernels of a batch-1 decode step, each timed alone (back to back, so the GPU
+    // is never short of work): what they add up to over the layers, set against the step and
+    // its GEMMs, splits the rest of the step into kernel time and host time (the plan, the
+    // uploads, sampling and read-back, and gaps between launches).
+    let small = {
+        let (hd, hidden) = (c.head_dim, c.hidden);
+        let f = gpu.zeros::<f32>(2 * inter + qd + 2 * kvd + hidden)?;
+        let h = gpu.zeros::<u16>(inter.max(hidden))?;
+        let row = gpu.upload(&[0i32])?;
+        let pos = gpu.upload(&[CONTEXT as i32])?;
+        let slot = gpu.upload(&[(CONTEXT + 1) as i32])?;
+        let (kc, vc) = b.kv_layer(0);
+        let (f0, h0) = (gpu.ptr(&f), gpu.ptr(&h));
+        let norm = gpu.timed(50, || {
+            gpu.rms_norm_rows(f0, gpu.ptr(&row), f0, h0, 1, hidden, 1e-5)
+        })?;
+        let rope = gpu.timed(50, || {
+            gpu.rope_qk(
+                f0,
+                gpu.ptr(&pos),
+                f0,
+                1,
+                c.heads,
+                c.kv_heads,
+                hd,
+                hd,
+                qd + 2 * kvd,
+            )
+        })?;
+        let kv = gpu.timed(50, || {
+            gpu.kv_write(
+                f0,
+                gpu.ptr(&slot),
+                kc,
+                vc,
+                1,
+                c.kv_heads,
+                hd,
+                BLOCK,
+                qd + 2 * kvd,
+                qd,
+                qd + kvd,
+            )
+        })?;
+        let silu = gpu.timed(50, || gpu.silu_mul(f0, h0, 1, inter))?;
+        let attn = attention.first().map_or(0.0, |a| a.3);
+        vec![
+            ("RMS norm (×2 a layer)", norm, 2 * c.layers),
+            ("RoPE", rope, c.layers),
+            ("KV write", kv, c.layers),
+            (
+                "paged attention, context 512 (and its combine)",
+                attn,
+                c.layers,
+            ),
+            ("SiLU × up", silu, c.layers),
+        ]
+    };
+
     let calibrate = |want: &str| -> Option<f64> {
         let r: Vec<&Row> = rows.iter().filter(|r| r.bound == want).collect();
         (!r.is_empty()).then(|| {
@@ -367,6 +426,30 @@ fn run() -> Result<()> {
             ));
         }
     }
+    let step1 = rows.first().map_or(0.0, |r| r.measured_s);
+    let gemm1 = gemms
+        .iter()
+        .find(|g| g.0 == 1 && g.2 == 0)
+        .map_or(0.0, |g| g.4);
+    md.push_str(
+        "\n| batch-1 decode step, other kernels alone | each | per step | \n|---|---|---|\n",
+    );
+    let mut kernels_s = 0.0;
+    for (name, s, times) in &small {
+        kernels_s += s * *times as f64;
+        md.push_str(&format!(
+            "| {name} | {:.1} µs | {:.2} ms |\n",
+            s * 1e6,
+            s * *times as f64 * 1e3
+        ));
+    }
+    md.push_str(&format!(
+        "| **step {:.2} ms = GEMMs {:.2} + these kernels {:.2} + the rest (host, launch gaps, embedding, sampling) {:.2}** | | |\n",
+        step1 * 1e3,
+        gemm1 * 1e3,
+        kernels_s * 1e3,
+        (step1 - gemm1 - kernels_s) * 1e3
+    ));
     if let Some(r) = calibrate("Memory") {
         md.push_str(&format!(
             "\nMemory-bound steps: the sim should use bandwidth efficiency {:.2} (it uses {DEFAULT_BANDWIDTH_EFFICIENCY}; predicted/measured {:.2}).\n",
