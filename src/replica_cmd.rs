@@ -18,8 +18,9 @@ use crate::up;
 #[derive(Args)]
 pub struct ModelArgs {
     /// sim: a built-in profile (qwen3-8b, llama-3.1-8b, mistral-7b, llama-3.1-70b-tp4) or a
-    /// HF config.json. cpu and cuda: a GGUF file or a Hugging Face folder (default: the
-    /// fetched SmolLM2-135M-Instruct GGUF).
+    /// HF config.json; the default, qwen3-8b, is the sim's. cpu and cuda: a GGUF file or a
+    /// Hugging Face folder; left at the default, they take the fetched SmolLM2-135M-Instruct
+    /// GGUF.
     #[arg(long, default_value = "qwen3-8b")]
     pub model: String,
     /// GPU profile: h100, h200, a100, l4.

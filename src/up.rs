@@ -217,8 +217,12 @@ struct Fleet {
 }
 
 fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
-    let backend = BackendKind::parse(&a.backend)
-        .ok_or_else(|| anyhow!("--backend must be sim, cpu or cuda, got `{}`", a.backend))?;
+    let backend = BackendKind::parse(&a.backend).ok_or_else(|| {
+        anyhow!(
+            "--backend must be sim, cpu, cuda or vllm, got `{}`",
+            a.backend
+        )
+    })?;
     match backend {
         BackendKind::Sim => {
             let replicas = a.replicas.unwrap_or(4);
