@@ -7,7 +7,8 @@
 //! ([`guards`]), which answer unusably ([`outlier`]), and whose prompt token counts differ
 //! from the gateway's ([`prompt_check`]: a drifted tokenizer or chat template), how many tokens
 //! they generate per second ([`throughput`], for the cost gauge), how their decode step grows
-//! with the context in flight ([`step_fit`]). Their KV event
+//! with the context in flight ([`step_fit`]), the statistics of their inter-token gaps
+//! ([`gap_stats`]). Their KV event
 //! streams are followed here ([`events`], [`tasks`]) and written into the prefix index
 //! (`prefix/`).
 
@@ -15,6 +16,7 @@ pub mod client;
 pub mod discovery;
 pub mod engine_metrics;
 pub mod events;
+pub mod gap_stats;
 pub mod guards;
 pub mod health;
 pub mod latency_model;
