@@ -25,6 +25,10 @@ const MODEL: &str = "SmolLM2-135M-Instruct";
 /// The test engines' KV cache, in 32-token blocks.
 const CACHE_BLOCKS: usize = 80;
 
+/// The tests that start engines take turns. Each starts two (about 5 GB and one core apiece);
+/// four at once on a 2-core, 24 GiB machine once took over the 300 s start limit in a full run.
+static ENGINES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -181,6 +185,7 @@ async fn kvgate_routes_by_a_real_vllms_events() {
     if !vllm_installed() {
         return;
     }
+    let _turn = ENGINES.lock().await;
     let client = reqwest::Client::new();
     let mut engines = [Engine::start(0), Engine::start(1)];
     for e in &engines {
@@ -387,6 +392,7 @@ async fn kvgate_up_with_the_vllm_backend_routes_by_the_engines_events() {
     if !vllm_installed() {
         return;
     }
+    let _turn = ENGINES.lock().await;
     let (mut child, url) = common::start_kvgate_up(&["--backend", "vllm"], &[]).await;
     let client = reqwest::Client::new();
     let system = "You answer questions about the weather in one short sentence. ".repeat(20);
