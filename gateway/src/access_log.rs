@@ -62,6 +62,15 @@ pub struct AccessRecord {
     /// What placement predicted the replica's time to first token would be.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted_ttft_ms: Option<f64>,
+    /// What that prediction was made of: the prompt tokens the gateway took as uncached
+    /// there, the unanswered prefill ahead of the request's own step, and the rest of the
+    /// step the replica was running (`fleet/replica.rs`, `ReplicaHandle::joined`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_uncached_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ahead_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_wait_ms: Option<f64>,
     /// The replica warmed with this prompt, to hold its prefix too (`request/warm.rs`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warmed: Option<String>,

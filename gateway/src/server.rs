@@ -25,10 +25,11 @@ use crate::fleet::client::http_client;
 use crate::fleet::client::UpstreamLimits;
 use crate::fleet::discovery::{resolve, Discovery};
 use crate::fleet::registry::Registry;
+use crate::http::accept::{accept_loop, connection_budget};
 use crate::http::auth::{
     is_loopback, read_secret, ApiKeyStore, AuthError, ADMIN_TOKEN_ENV, FLEET_TOKEN_ENV,
 };
-use crate::http::conn::{accept_loop, connection_budget, ConnMetrics, GuardedStream, HeaderLimits};
+use crate::http::conn::{ConnMetrics, GuardedStream, HeaderLimits};
 use crate::http::proxy::GatewayProxy;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;

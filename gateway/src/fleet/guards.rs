@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::fleet::replica::ReplicaHandle;
+use crate::fleet::replica::{Joined, ReplicaHandle};
 
 /// byte arrives (`done`) or it ends.
 pub struct PendingPrefill {
@@ -16,23 +16,18 @@ pub struct PendingPrefill {
 }
 
 impl PendingPrefill {
-    /// Adds `tokens` (the uncached part of a prompt whose block hashes are `blocks`); returns
-    /// the guard and the prefill still to do ahead of them.
-    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: Arc<[u64]>) -> (Self, u64) {
-        let (overhead_s, seconds_per_token) = replica.model.lock().ttft_coefficients();
-        let (id, ahead) = replica.prefill.add(
-            tokens,
-            blocks,
-            Instant::now(),
-            overhead_s,
-            seconds_per_token,
-        );
+    /// Adds `tokens` (the uncached part of a prompt whose block hashes are `blocks`), sent
+    /// now; returns the guard and what they find in front of them there.
+    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: Arc<[u64]>) -> (Self, Joined) {
+        let now = Instant::now();
+        let joined = replica.joined(now);
+        let id = replica.prefill.add(tokens, blocks, now, joined.ahead);
         (
             PendingPrefill {
                 replica,
                 id: Some(id),
             },
-            ahead,
+            joined,
         )
     }
 

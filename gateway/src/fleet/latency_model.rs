@@ -100,6 +100,13 @@ impl LatencyModel {
         self.phase.wait(now, self.current.q, busy)
     }
 
+    /// A busy replica's running step where its start is known: the last step end seen, and
+    /// the median step (how long it runs without prefill).
+    pub fn running_step(&self, busy: bool) -> Option<(Instant, f64)> {
+        let step = self.current.q.filter(|&s| busy && s > 0.0)?;
+        Some((self.phase.last_step_end()?, step))
+    }
+
     /// The rest of a busy replica's running step on average, whatever its phase: half a step.
     pub fn mean_step_wait(&self) -> f64 {
         self.current.q.map_or(0.0, |s| s / 2.0)

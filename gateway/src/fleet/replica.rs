@@ -18,7 +18,7 @@ use policies::{LoadSignal, SpeedView};
 use crate::access_log::AccessRecord;
 use crate::fleet::client::FleetClient;
 use crate::fleet::latency_model::LatencyModel;
-use crate::fleet::prefill_queue::PrefillQueue;
+use crate::fleet::prefill_queue::{PrefillQueue, Running};
 use crate::fleet::prompt_check::{PromptCheck, Verdict};
 use crate::fleet::throughput::{BusyClock, Throughput};
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
@@ -291,14 +291,60 @@ impl ReplicaHandle {
             .remaining(Instant::now(), overhead_s, seconds_per_token)
     }
 
-    /// For a request sent at `now`: seconds until the step this replica runs ends, and the
-    /// decode step it then joins (0 when idle).
-    pub fn joins(&self, now: Instant) -> (f64, f64) {
+    /// What a request sent here at `now` finds in front of it: the prefill ahead of its own
+    /// step, the rest of the step running (lengthened by the prefill planned into it), and
+    /// the decode step it then joins (0 when idle). Where the running step's start is known
+    /// (the last step end seen, less than that step's length ago) the requests sent before it
+    /// are in it, not ahead ([`PrefillQueue::split`]); otherwise all unanswered prefill is
+    /// ahead and the step's rest is its mean, half a step ([`LatencyModel::step_wait`]).
+    pub fn joined(&self, now: Instant) -> Joined {
         let busy = self.load().requests() > 0;
         let context = self.context_in_flight.load(Ordering::Relaxed);
+        let chunk_tokens = self.chunk_tokens();
         let m = self.model.lock();
-        let step = if busy { m.step_at(context) } else { None };
-        (m.step_wait(now, busy), step.unwrap_or(0.0))
+        let plane = m.ttft_plane();
+        let (overhead_s, seconds_per_token) = (plane.overhead_s, plane.seconds_per_token);
+        let step_s = if busy {
+            m.step_at(context).unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        let running = m.running_step(busy);
+        let mean_wait_s = m.step_wait(now, busy);
+        drop(m);
+        if let Some((started, step)) = running {
+            let r = Running {
+                started,
+                chunk_tokens,
+                step_s: step,
+            };
+            let split = self
+                .prefill
+                .split(now, overhead_s, seconds_per_token, Some(r));
+            let length = step.max(split.in_step as f64 * seconds_per_token);
+            let since = now.saturating_duration_since(started).as_secs_f64();
+            if since < length {
+                return Joined {
+                    ahead: split.ahead,
+                    step_wait_s: length - since,
+                    step_s,
+                };
+            }
+        }
+        Joined {
+            ahead: self.prefill.remaining(now, overhead_s, seconds_per_token),
+            step_wait_s: mean_wait_s,
+            step_s,
+        }
+    }
+
+    /// The most prompt tokens one of its steps takes (its `/get_load`; the policies' default
+    /// until it reports).
+    fn chunk_tokens(&self) -> u64 {
+        match self.chunk_tokens.load(Ordering::Relaxed) {
+            0 => SpeedView::default().chunk_tokens,
+            chunk => chunk,
+        }
     }
 
     /// What placement knows of this replica's speed now: the learnt TTFT fit, the prefill
@@ -307,33 +353,34 @@ impl ReplicaHandle {
     pub fn speed(&self) -> SpeedView {
         let batch = self.load().requests() + 1;
         let now = Instant::now();
+        let joined = self.joined(now);
         let m = self.model.lock();
         let step_now_s = m.step_at(self.context_in_flight.load(Ordering::Relaxed));
         let plane = m.ttft_plane();
-        let (overhead_s, seconds_per_token) = (plane.overhead_s, plane.seconds_per_token);
-        let chunk = self.chunk_tokens.load(Ordering::Relaxed);
         SpeedView {
-            overhead_s,
-            seconds_per_token,
+            overhead_s: plane.overhead_s,
+            seconds_per_token: plane.seconds_per_token,
             seconds_per_attention: plane.seconds_per_attention,
-            queued_prefill_tokens: self.prefill.remaining(now, overhead_s, seconds_per_token)
-                + self.peer_prefill.load(Ordering::Relaxed),
+            queued_prefill_tokens: joined.ahead + self.peer_prefill.load(Ordering::Relaxed),
             decode_step_s: m.predict_itl(batch).map(|d| d.as_secs_f64()),
             current_step_s: m.current_step().map(|d| d.as_secs_f64()),
             step_now_s,
             step_per_context_token_s: m.step_per_context_token(),
             stall_margin_s: m.stall_margin(),
-            chunk_tokens: if chunk > 0 {
-                chunk
-            } else {
-                SpeedView::default().chunk_tokens
-            },
-            step_wait_s: m.step_wait(now, batch > 1),
-            join_step_s: if batch > 1 {
-                step_now_s.unwrap_or(0.0)
-            } else {
-                0.0
-            },
+            chunk_tokens: self.chunk_tokens(),
+            step_wait_s: joined.step_wait_s,
+            join_step_s: joined.step_s,
         }
     }
+}
+
+/// What a request sent to a replica finds in front of it ([`ReplicaHandle::joined`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Joined {
+    /// Unanswered prefill (tokens) ahead of its own step.
+    pub ahead: u64,
+    /// Seconds until the running step ends (0 when idle).
+    pub step_wait_s: f64,
+    /// The decode step it joins (s; 0 when idle).
+    pub step_s: f64,
 }

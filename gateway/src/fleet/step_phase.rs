@@ -28,6 +28,11 @@ impl StepPhase {
         self.last_token = Some(self.last_token.map_or(at, |t| t.max(at)));
     }
 
+    /// When the latest step end was seen (the running step's start, if it still runs).
+    pub fn last_step_end(&self) -> Option<Instant> {
+        self.last_token
+    }
+
     /// Seconds until the running step ends for a request sent at `now`, given the replica's
     /// median `step` (s) and whether it has requests running (`busy`).
     /// - Idle: 0 (an idle engine plans a step as soon as a request arrives).

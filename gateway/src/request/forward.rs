@@ -356,10 +356,9 @@ impl Forwarder<'_> {
             };
             // Subscribed before sending, so an ejection in between is not missed.
             let mut ejected = Box::pin(replica.ejected());
-            let (step_wait_s, step_s) = replica.joins(Instant::now());
             let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
             let uncached_tokens = uncached_tokens(p.prompt_tokens, d.matched_blocks, block_size);
-            let (pending, ahead_tokens) = match admitted.pending.take() {
+            let (pending, joined) = match admitted.pending.take() {
                 Some(x) if attempt == 0 => x,
                 _ => {
                     self.prefix
@@ -438,6 +437,9 @@ impl Forwarder<'_> {
             rec.replica = Some(replica.label().to_string());
             rec.address = Some(replica.name.clone());
             rec.reason = Some(d.reason.label());
+            rec.predicted_uncached_tokens = Some(uncached_tokens);
+            rec.ahead_tokens = Some(joined.ahead);
+            rec.step_wait_ms = Some(joined.step_wait_s * 1e3);
             let mut ctx = RelayCtx {
                 replica: &replica,
                 route,
@@ -446,11 +448,11 @@ impl Forwarder<'_> {
                 started,
                 sent_at,
                 prefill: Prefill {
-                    ahead: ahead_tokens,
+                    ahead: joined.ahead,
                     tokens: uncached_tokens,
                     cached: cached_tokens,
-                    step_wait_s,
-                    step_s,
+                    step_wait_s: joined.step_wait_s,
+                    step_s: joined.step_s,
                 },
                 pending,
                 admitted: &admitted,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use policies::RouteDecision;
 
 use crate::fleet::guards::PendingPrefill;
+use crate::fleet::replica::Joined;
 use crate::routes::runtime::RouteRuntime;
 
 /// A dispatched request's share of its route's limits, released (and the queue woken) when
@@ -21,7 +22,7 @@ pub struct Admitted {
     pub decision: RouteDecision,
     /// The chosen replica's share of queued prefill, taken at the decision so the next
     /// decision already sees it; with the prefill that was queued ahead of it.
-    pub pending: Option<(PendingPrefill, u64)>,
+    pub pending: Option<(PendingPrefill, Joined)>,
     /// Blocks of the prompt the index believed cached at each replica.
     pub matched: Vec<usize>,
     pub queued: Duration,
@@ -34,7 +35,7 @@ impl Admitted {
         decision: RouteDecision,
         matched: Vec<usize>,
         queued: Duration,
-        pending: (PendingPrefill, u64),
+        pending: (PendingPrefill, Joined),
     ) -> Self {
         rt.in_flight.fetch_add(1, Ordering::Relaxed);
         rt.in_flight_tokens.fetch_add(tokens, Ordering::Relaxed);
