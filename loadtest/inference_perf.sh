@@ -39,10 +39,17 @@ seeds=${IP_SEEDS:-1,2,3}
 duration=${IP_DURATION:-60}
 n=${IP_REPLICAS:-8}
 
-# inference-perf needs Python >= 3.12: the newest python3.1x on PATH (pyenv's shims count).
+# inference-perf needs Python >= 3.12: the newest python3.1x on PATH that runs (a pyenv shim
+# for a version that is installed but not selected is on PATH and fails when run).
 ipvenv=${IP_VENV:-.venv-inference-perf}
 if [ ! -x "$ipvenv/bin/inference-perf" ]; then
-  py=$(for v in 3.13 3.12; do command -v "python$v" && break; done || true)
+  py=$(for v in 3.13 3.12; do p=$(command -v "python$v") && "$p" -c '' 2>/dev/null && { echo "$p"; break; }; done || true)
+  if [ -z "$py" ] && command -v pyenv >/dev/null; then
+    # pyenv's installed versions that are not selected: their interpreters directly.
+    py=$(for v in $(pyenv versions --bare | sort -V -r); do
+      case $v in 3.1[2-9]*) p=$(pyenv root)/versions/$v/bin/python3 && [ -x "$p" ] && { echo "$p"; break; } ;; esac
+    done || true)
+  fi
   [ -n "$py" ] || { echo "inference_perf.sh: needs python3.12 or newer for inference-perf" >&2; exit 1; }
   "$py" -m venv "$ipvenv"
   "$ipvenv/bin/pip" install --quiet inference-perf==0.7.0 >"$logs/pip-ip.log" 2>&1 ||
