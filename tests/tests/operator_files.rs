@@ -137,6 +137,15 @@ async fn the_access_log_records_route_replica_tokens_and_timers() {
     assert!(a["reason"].is_string() && a["prompt_tokens"].as_u64().unwrap() > 0);
     assert!(a["ttft_ms"].as_f64().is_some() && a["e2e_ms"].as_f64().is_some());
     assert_eq!(a["output_tokens"], 3);
+    // What the prediction was made of: the whole prompt cold, nothing in front of it on an
+    // idle replica.
+    assert!(
+        a["predicted_ttft_ms"].as_f64().is_some_and(|t| t > 0.0),
+        "{a}"
+    );
+    assert_eq!(a["predicted_uncached_tokens"], a["prompt_tokens"], "{a}");
+    assert_eq!(a["ahead_tokens"], 0, "{a}");
+    assert_eq!(a["step_wait_ms"].as_f64(), Some(0.0), "{a}");
     assert!(missing["ttft_ms"].is_null(), "{missing}");
     assert!(!text.contains("hi\""), "prompts are never logged");
     let _ = std::fs::remove_file(&path);
