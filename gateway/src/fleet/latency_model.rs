@@ -41,6 +41,11 @@ pub struct Prefill {
     pub step_s: f64,
 }
 
+/// Gaps ending within this share of a step of each other (never under 3 ms) came from one
+/// step end: its streams' tokens are relayed apart by the host's scheduling.
+const SAME_STEP_SHARE: f64 = 0.3;
+const SAME_STEP_MIN: Duration = Duration::from_millis(3);
+
 /// A first token within this many decode steps of the step it joined came from a step its
 /// prefill did not lengthen.
 const HIDDEN_UNDER_STEP: f64 = 1.2;
@@ -59,6 +64,8 @@ pub struct LatencyModel {
     step: StepFit,
     /// Where the replica is in its running step.
     phase: StepPhase,
+    /// The step end the current step statistics last learnt from.
+    step_sampled: Option<Instant>,
 }
 
 impl LatencyModel {
@@ -142,11 +149,25 @@ impl LatencyModel {
         self.current_p95.add(gap.as_secs_f64());
     }
 
-    /// An inter-token gap observed while the replica ran `batch` sequences, `context` prompt
-    /// tokens of the gateway's requests in flight there.
-    pub fn observe_gap_at(&mut self, batch: u32, context: u64, gap: Duration) {
-        self.observe_itl(batch, gap);
-        self.step.add(context, gap.as_secs_f64());
+    /// An inter-token gap ending at `at`, observed while the replica ran `batch` sequences,
+    /// `context` prompt tokens of the gateway's requests in flight there. The step its streams
+    /// see now (the median and p95 of [`Self::current_step`]) learns one gap per step end, not
+    /// one per stream: every stream of a step reports the same gap, and a long step with forty
+    /// streams moved the running median forty times (to 160–290 ms where decode steps were
+    /// 65–110 ms), so a request sent just after a prefill-carrying step was priced with two
+    /// such steps (BENCHMARKS, issue 28). The per-batch statistics count every gap.
+    pub fn observe_gap_at(&mut self, at: Instant, batch: u32, context: u64, gap: Duration) {
+        let g = gap.as_secs_f64();
+        self.itl_by_batch[bucket(batch.max(1))].add(g);
+        self.recent.add(g);
+        let same_step = Duration::from_secs_f64(self.current.q.unwrap_or(0.0) * SAME_STEP_SHARE)
+            .max(SAME_STEP_MIN);
+        if self.step_sampled.is_none_or(|t| at > t + same_step) {
+            self.current.add(g);
+            self.current_p95.add(g);
+            self.step_sampled = Some(at);
+        }
+        self.step.add(context, g);
     }
 
     /// The decode step its streams would see with `context` prompt tokens in flight: the
@@ -392,13 +413,12 @@ pub(crate) mod tests {
         // since add ~10 ms, and as many finished take ~10 ms off.
         let mut m = LatencyModel::default();
         assert_eq!(m.step_at(1000), None);
+        let mut t = Instant::now();
         for i in 0..4000u64 {
             let ctx = i * 20;
-            m.observe_gap_at(
-                16,
-                ctx,
-                Duration::from_secs_f64(0.060 + 0.5e-6 * ctx as f64),
-            );
+            let gap = Duration::from_secs_f64(0.060 + 0.5e-6 * ctx as f64);
+            t += gap;
+            m.observe_gap_at(t, 16, ctx, gap);
         }
         let now = m.current_step().unwrap().as_secs_f64();
         assert!((m.step_per_context_token() - 0.5e-6).abs() < 0.02e-6);
@@ -410,5 +430,33 @@ pub(crate) mod tests {
         let mut plain = LatencyModel::default();
         plain.observe_itl(16, 80 * MS);
         assert_eq!(plain.step_at(50_000), Some(0.08));
+    }
+
+    #[test]
+    fn the_current_step_learns_one_gap_per_step_end_not_one_per_stream() {
+        let mut m = LatencyModel::default();
+        let mut t = Instant::now();
+        // Forty streams, 80 ms decode steps for four seconds: each step end reported forty
+        // times, a millisecond apart at most.
+        for _ in 0..50 {
+            t += 80 * MS;
+            for k in 0..40u32 {
+                m.observe_gap_at(t + Duration::from_micros(u64::from(k) * 25), 40, 0, 80 * MS);
+            }
+        }
+        let before = m.current_step().unwrap().as_secs_f64();
+        assert!((before - 0.08).abs() < 0.005, "{before}");
+        // One 300 ms step (a prefill chunk), reported by all forty: the median moves once.
+        t += 300 * MS;
+        for k in 0..40u32 {
+            m.observe_gap_at(
+                t + Duration::from_micros(u64::from(k) * 25),
+                40,
+                0,
+                300 * MS,
+            );
+        }
+        let after = m.current_step().unwrap().as_secs_f64();
+        assert!(after < 0.09, "one step moved the median to {after}");
     }
 }

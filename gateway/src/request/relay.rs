@@ -365,7 +365,7 @@ impl Relay<'_> {
                         for (seen, step) in write_gaps(now - prev, coalesced) {
                             outcome.gaps.push(seen);
                             stats.inter_token_seconds.record(seen.as_secs_f64());
-                            model.observe_gap_at(batch, context, step);
+                            model.observe_gap_at(now, batch, context, step);
                         }
                         model.token_relayed(now);
                     }
