@@ -143,10 +143,20 @@ impl LatencyModel {
 
     /// An inter-token gap observed while the replica ran `batch` sequences.
     pub fn observe_itl(&mut self, batch: u32, gap: Duration) {
-        self.itl_by_batch[bucket(batch.max(1))].add(gap.as_secs_f64());
-        self.recent.add(gap.as_secs_f64());
-        self.current.add(gap.as_secs_f64());
-        self.current_p95.add(gap.as_secs_f64());
+        self.learn_batch_gap(batch, gap.as_secs_f64());
+        self.learn_step(gap.as_secs_f64());
+    }
+
+    /// The per-batch statistics and the recent-gap window: every gap counts.
+    fn learn_batch_gap(&mut self, batch: u32, g: f64) {
+        self.itl_by_batch[bucket(batch.max(1))].add(g);
+        self.recent.add(g);
+    }
+
+    /// The step the replica's streams see now (median and p95).
+    fn learn_step(&mut self, g: f64) {
+        self.current.add(g);
+        self.current_p95.add(g);
     }
 
     /// An inter-token gap ending at `at`, observed while the replica ran `batch` sequences,
@@ -158,13 +168,11 @@ impl LatencyModel {
     /// such steps (BENCHMARKS, issue 28). The per-batch statistics count every gap.
     pub fn observe_gap_at(&mut self, at: Instant, batch: u32, context: u64, gap: Duration) {
         let g = gap.as_secs_f64();
-        self.itl_by_batch[bucket(batch.max(1))].add(g);
-        self.recent.add(g);
+        self.learn_batch_gap(batch, g);
         let same_step = Duration::from_secs_f64(self.current.q.unwrap_or(0.0) * SAME_STEP_SHARE)
             .max(SAME_STEP_MIN);
         if self.step_sampled.is_none_or(|t| at > t + same_step) {
-            self.current.add(g);
-            self.current_p95.add(g);
+            self.learn_step(g);
             self.step_sampled = Some(at);
         }
         self.step.add(context, g);

@@ -21,7 +21,8 @@ pub struct Admitted {
     tokens: u64,
     pub decision: RouteDecision,
     /// The chosen replica's share of queued prefill, taken at the decision so the next
-    /// decision already sees it; with the prefill that was queued ahead of it.
+    /// decision already sees it; with what it found in front of it there (prefill ahead, the
+    /// running step's rest, the decode step it joins).
     pub pending: Option<(PendingPrefill, Joined)>,
     /// Blocks of the prompt the index believed cached at each replica.
     pub matched: Vec<usize>,
