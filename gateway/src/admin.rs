@@ -151,6 +151,7 @@ pub async fn admin_handle(
                             "prefill_tokens_per_s": model.prefill_rate(),
                             "ttft_overhead_ms": model.ttft_overhead() * 1e3,
                             "ttft_observations": model.ttft_observations(),
+                            "step_lag_ms": model.step_lag() * 1e3,
                             "itl_ms_batch_1": ms(model.predict_itl(1)),
                             "itl_ms_one_more": ms(model.predict_itl(l.running + 1)),
                             "itl_p95_ms_one_more": ms(model.predict_itl_p95(l.running + 1)),

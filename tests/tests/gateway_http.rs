@@ -407,6 +407,9 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
     );
     assert_eq!(before[0]["learnt"]["ttft_observations"], 0);
     assert!(before[0]["learnt"]["itl_ms_batch_1"].is_null());
+    // The step lag starts from its default: a couple of milliseconds, never negative.
+    let lag = before[0]["learnt"]["step_lag_ms"].as_f64().unwrap();
+    assert!((0.0..=50.0).contains(&lag), "{before}");
     let r = gw
         .post(
             "/v1/chat/completions",

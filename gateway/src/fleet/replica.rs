@@ -311,6 +311,7 @@ impl ReplicaHandle {
         };
         let running = m.running_step(busy);
         let mean_wait_s = m.step_wait(now, busy);
+        let lag_s = m.step_lag();
         drop(m);
         if let Some((started, step)) = running {
             let r = Running {
@@ -324,9 +325,13 @@ impl ReplicaHandle {
             let length = step.max(split.in_step as f64 * seconds_per_token);
             let since = now.saturating_duration_since(started).as_secs_f64();
             if since < length {
+                // Too late for the next step: it joins the one after (`StepPhase::lag`).
+                let left = length - since;
+                let missed = if left < lag_s { step_s } else { 0.0 };
                 return Joined {
                     ahead: split.ahead,
-                    step_wait_s: length - since,
+                    step_wait_s: left + missed,
+                    step_left_s: Some(left),
                     step_s,
                 };
             }
@@ -334,6 +339,7 @@ impl ReplicaHandle {
         Joined {
             ahead: self.prefill.remaining(now, overhead_s, seconds_per_token),
             step_wait_s: mean_wait_s,
+            step_left_s: None,
             step_s,
         }
     }
@@ -379,8 +385,11 @@ impl ReplicaHandle {
 pub struct Joined {
     /// Unanswered prefill (tokens) ahead of its own step.
     pub ahead: u64,
-    /// Seconds until the running step ends (0 when idle).
+    /// Seconds until the step it joins starts (0 when idle): the rest of the running step, and
+    /// one decode step more when it is sent too late to join the next.
     pub step_wait_s: f64,
+    /// The rest of the running step when its start was known (s).
+    pub step_left_s: Option<f64>,
     /// The decode step it joins (s; 0 when idle).
     pub step_s: f64,
 }

@@ -12,14 +12,44 @@
 //! latest relayed token and the replica's median step, [`StepPhase::wait`] tells how long the
 //! running step has left. The TTFT fit learns from each TTFT less the wait its request was sent
 //! into, and placement adds the wait back (`fleet/latency_model.rs`, `SpeedView::estimate`).
+//!
+//! A request sent a few milliseconds before the running step ends misses it: it reaches the
+//! engine after the next step was planned (the proxy's write, the replica parsing and
+//! tokenising the prompt, the gateway seeing the step end late by its own relay), and waits a
+//! whole step more. On the chat cells, requests predicted to arrive with under 4 ms of the step
+//! left came a decode step later than predicted in 63% of cases, 4–10 ms in 10–25%, none past
+//! 10 ms (BENCHMARKS, issue 28). [`StepPhase::lag`] is that boundary as learnt per replica:
+//! a request predicted to arrive later than it joins the step after the next.
 //! It holds no I/O and no clock: callers pass the times.
 
 use std::time::Instant;
 
-/// The latest step end this gateway saw at one replica.
-#[derive(Debug, Clone, Copy, Default)]
+/// The boundary a replica starts from before any request has tested it (s): a request sent
+/// with less of the running step left than this misses it.
+const INITIAL_LAG_S: f64 = 0.002;
+/// How far the boundary moves per request that proved it wrong (s).
+const LAG_STEP_S: f64 = 0.000_5;
+/// Requests sent with more than this past the boundary say nothing about it (s): a step that
+/// came late then ran long, it was not missed.
+const LAG_WINDOW_S: f64 = 0.010;
+/// The boundary never exceeds this (s), nor half a step.
+const MAX_LAG_S: f64 = 0.050;
+
+/// The latest step end this gateway saw at one replica, and how late a request may be sent
+/// and still join the running step's successor.
+#[derive(Debug, Clone, Copy)]
 pub struct StepPhase {
     last_token: Option<Instant>,
+    lag_s: f64,
+}
+
+impl Default for StepPhase {
+    fn default() -> Self {
+        StepPhase {
+            last_token: None,
+            lag_s: INITIAL_LAG_S,
+        }
+    }
 }
 
 impl StepPhase {
@@ -55,6 +85,28 @@ impl StepPhase {
             None => step / 2.0,
         }
     }
+
+    /// Seconds of the running step that must be left when a request is sent for it to join
+    /// the next step (as learnt).
+    pub fn lag(&self) -> f64 {
+        self.lag_s
+    }
+
+    /// A request was sent with `left_s` of the running step left (`step_s` its decode step)
+    /// and `missed` the next step (its first token came a step later than joining it would
+    /// give). The boundary moves only on a request that proved it wrong, near it: it settles
+    /// where as many sent just before it miss as sent just after it make it.
+    pub fn learn_lag(&mut self, left_s: f64, step_s: f64, missed: bool) {
+        if left_s >= self.lag_s + LAG_WINDOW_S || left_s >= step_s / 2.0 {
+            return;
+        }
+        let predicted_miss = left_s < self.lag_s;
+        if predicted_miss && !missed {
+            self.lag_s = (self.lag_s - LAG_STEP_S).max(0.0);
+        } else if !predicted_miss && missed {
+            self.lag_s = (self.lag_s + LAG_STEP_S).min(MAX_LAG_S.min(step_s / 2.0));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -83,5 +135,27 @@ mod tests {
         p.relayed(t0 + 20 * MS);
         let w = p.wait(t0 + 90 * MS, Some(0.1), true);
         assert!((w - 0.07).abs() < 1e-9, "{w}");
+    }
+
+    #[test]
+    fn the_lag_settles_where_requests_start_missing_the_step() {
+        // Requests reach this replica's engine 6 ms after they are sent: those sent with less
+        // of the step left miss it.
+        let mut p = StepPhase::default();
+        for i in 0..400 {
+            let left = f64::from(i % 12) * 0.001;
+            p.learn_lag(left, 0.1, left < 0.006);
+        }
+        assert!((p.lag() - 0.006).abs() <= 0.001, "{}", p.lag());
+        // Far from the boundary a late first token is a long step, not a miss: no lesson.
+        let before = p.lag();
+        p.learn_lag(0.030, 0.1, true);
+        assert_eq!(p.lag(), before);
+        // Never more than half a step.
+        let mut q = StepPhase::default();
+        for _ in 0..200 {
+            q.learn_lag(q.lag(), 0.01, true);
+        }
+        assert!(q.lag() <= 0.005 + 1e-12, "{}", q.lag());
     }
 }

@@ -452,6 +452,7 @@ impl Forwarder<'_> {
                     tokens: uncached_tokens,
                     cached: cached_tokens,
                     step_wait_s: joined.step_wait_s,
+                    step_left_s: joined.step_left_s,
                     step_s: joined.step_s,
                 },
                 pending,
