@@ -189,7 +189,9 @@ impl LatencyModel {
     /// one per stream: every stream of a step reports the same gap, and a long step with forty
     /// streams moved the running median forty times (to 160–290 ms where decode steps were
     /// 65–110 ms), so a request sent just after a prefill-carrying step was priced with two
-    /// such steps (BENCHMARKS, issue 28). The per-batch statistics count every gap.
+    /// such steps (BENCHMARKS, issue 28). The context that median belongs to (the step line's
+    /// anchor) follows at the same pace; the per-batch statistics and the line's slope count
+    /// every gap.
     pub fn observe_gap_at(&mut self, at: Instant, batch: u32, context: u64, gap: Duration) {
         let g = gap.as_secs_f64();
         self.learn_batch_gap(batch, g);
@@ -197,6 +199,7 @@ impl LatencyModel {
             .max(SAME_STEP_MIN);
         if self.step_sampled.is_none_or(|t| at > t + same_step) {
             self.learn_step(g);
+            self.step.follow(context);
             self.step_sampled = Some(at);
         }
         self.step.add(context, g);

@@ -22,8 +22,8 @@ pub struct StepFit {
     g: f64,
     cc: f64,
     cg: f64,
-    /// The context the replica's current median step was seen at: it follows each gap's
-    /// context as quickly as that median follows the gaps (tens of gaps).
+    /// The context the replica's current median step was seen at: it follows the context at
+    /// each step end as quickly as that median follows the steps (tens of step ends).
     anchor: Option<f64>,
 }
 
@@ -40,7 +40,7 @@ impl StepFit {
     const ANCHOR_ALPHA: f64 = 0.05;
 
     /// One gap of `gap_s`, seen while `context` prompt tokens of the gateway's requests were in
-    /// flight at the replica.
+    /// flight at the replica: every stream's gap counts for the slope.
     pub fn add(&mut self, context: u64, gap_s: f64) {
         if !gap_s.is_finite() || gap_s < 0.0 {
             return;
@@ -52,6 +52,16 @@ impl StepFit {
         self.g = self.g * d + gap_s;
         self.cc = self.cc * d + c * c;
         self.cg = self.cg * d + c * gap_s;
+    }
+
+    /// A step end the current median step learnt from, seen while `context` prompt tokens were
+    /// in flight: the anchor follows it. Called once per step end, as the median learns —
+    /// not once per stream: with forty streams the anchor reached a burst's new context within
+    /// a step while the median took tens of steps to follow, so the step a new stream would
+    /// see was priced at the old context's (a hot prefix's holder took 141 requests in 6 s,
+    /// its streams' p95 gap 265 ms against a 150 ms promise; BENCHMARKS, issue 28).
+    pub fn follow(&mut self, context: u64) {
+        let c = context as f64;
         self.anchor = Some(match self.anchor {
             None => c,
             Some(a) => a + Self::ANCHOR_ALPHA * (c - a),
@@ -103,6 +113,7 @@ mod tests {
         let mut f = StepFit::default();
         for _ in 0..1000 {
             f.add(30_000, 0.1);
+            f.follow(30_000);
         }
         assert_eq!(f.seconds_per_token(), None);
         assert_eq!(f.anchor_tokens(), Some(30_000.0));

@@ -195,6 +195,44 @@ fn the_current_step_learns_one_gap_per_step_end_not_one_per_stream() {
 }
 
 #[test]
+fn a_burst_of_context_prices_the_step_at_the_new_context() {
+    // 60 ms plus 2 µs per context token, forty streams reporting every step end. The slope is
+    // learnt as the context wanders between 5k and 25k tokens; then a hot prefix brings 40k
+    // more within five steps. The step a new stream would see is the new context's, although
+    // the median has moved only a few steps towards it.
+    let truth = |ctx: u64| 0.060 + 2e-6 * ctx as f64;
+    let mut m = LatencyModel::default();
+    let mut t = Instant::now();
+    let mut step_end = |m: &mut LatencyModel, ctx: u64| {
+        let gap = Duration::from_secs_f64(truth(ctx));
+        t += gap;
+        for k in 0..40u32 {
+            m.observe_gap_at(t + Duration::from_micros(u64::from(k) * 25), 40, ctx, gap);
+        }
+    };
+    for i in 0..400u64 {
+        step_end(&mut m, 5_000 + (i * 997) % 20_000);
+    }
+    for i in 0..200u64 {
+        step_end(&mut m, 15_000 + (i % 3) * 100);
+    }
+    for i in 1..=5u64 {
+        step_end(&mut m, 15_000 + i * 8_000);
+    }
+    let now = m.current_step().unwrap().as_secs_f64();
+    assert!(
+        now < 0.85 * truth(55_000),
+        "the median has not caught up: {now}"
+    );
+    let predicted = m.step_at(55_000).unwrap();
+    assert!(
+        (predicted - truth(55_000)).abs() < 0.1 * truth(55_000),
+        "{predicted} vs {}",
+        truth(55_000)
+    );
+}
+
+#[test]
 fn a_request_sent_too_late_for_the_next_step_teaches_the_lag_not_the_fit() {
     // 100 ms decode steps; a 50-token prefill hides under one. Requests reach the engine 8 ms
     // after they are sent: sent with less than that of the running step left, they miss the
