@@ -17,9 +17,11 @@
 //! engine after the next step was planned (the proxy's write, the replica parsing and
 //! tokenising the prompt, the gateway seeing the step end late by its own relay), and waits a
 //! whole step more. On the chat cells, requests predicted to arrive with under 4 ms of the step
-//! left came a decode step later than predicted in 63% of cases, 4–10 ms in 10–25%, none past
-//! 10 ms (BENCHMARKS, issue 28). [`StepPhase::lag`] is that boundary as learnt per replica:
-//! a request predicted to arrive later than it joins the step after the next.
+//! left came a decode step later than predicted in 63% of cases, 4–10 ms in 10–25%, past 10 ms
+//! hardly ever (BENCHMARKS, issue 28). [`StepPhase::lag`] is that boundary as learnt per
+//! replica: a request sent with less of the step left is predicted to join the step after the
+//! next.
+//!
 //! It holds no I/O and no clock: callers pass the times.
 
 use std::time::Instant;
