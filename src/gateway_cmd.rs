@@ -26,12 +26,7 @@ fn load_gateway_file(path: &std::path::Path) -> Result<config::GatewayConfig> {
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut cfg = config::GatewayConfig::from_toml(&text)
         .with_context(|| format!("invalid gateway file {}", path.display()))?;
-    let dir = path.parent().unwrap_or(std::path::Path::new("."));
-    let rel = |p: &Option<String>| p.as_ref().map(|p| dir.join(p).display().to_string());
-    cfg.policy_file = rel(&cfg.policy_file);
-    cfg.auth.api_keys_file = rel(&cfg.auth.api_keys_file);
-    cfg.auth.admin_token_file = rel(&cfg.auth.admin_token_file);
-    cfg.auth.fleet_token_file = rel(&cfg.auth.fleet_token_file);
+    cfg.resolve_paths(path.parent().unwrap_or(std::path::Path::new(".")));
     cfg.config_path = Some(path.to_path_buf());
     Ok(cfg)
 }

@@ -23,6 +23,7 @@ pub use crate::fleet::{
 use crate::error::ConfigError;
 use crate::policy::PolicyConfig;
 
+mod reload;
 mod validate;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -173,9 +173,13 @@ pub async fn admin_handle(
         ("GET", "/admin/policy") => json(200, state.policies.describe(&names(&state)).to_string()),
         ("PUT", "/admin/replicas") => put_replicas(&state, req).await,
         ("POST", "/admin/replicas/reload") => match state.membership().reload_replicas(true) {
-            Ok(_) => json(
+            Ok(r) => json(
                 200,
-                serde_json::json!({"replicas": listed_names(&state)}).to_string(),
+                serde_json::json!({
+                    "replicas": listed_names(&state),
+                    "needs_restart": r.needs_restart,
+                })
+                .to_string(),
             ),
             Err(e) => {
                 let err = ApiError::invalid_request(e.to_string()).with_code("replicas_rejected");

@@ -18,6 +18,14 @@ use crate::routes::store::PolicyStore;
 /// The gateway file the fleet was started from, and the hash of its text last seen.
 pub type GatewayFile = (PathBuf, parking_lot::Mutex<Option<u64>>);
 
+/// What a reload of the gateway file did: whether the fleet changed, and the sections of the
+/// file that differ from the configuration in force but apply only at a restart.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reloaded {
+    pub changed: bool,
+    pub needs_restart: Vec<&'static str>,
+}
+
 /// Why a new replica list was refused (the list in force stays).
 #[derive(Debug, thiserror::Error)]
 pub enum MembershipError {
@@ -48,10 +56,11 @@ pub struct Membership<'a> {
 }
 
 impl Membership<'_> {
-    /// Re-reads the gateway file and applies its replica list and discovery names (the only
-    /// parts that reload; other changes are named in the log as needing a restart). A list the
-    /// active policy cannot take (a pool names a replica it drops) is refused whole.
-    pub fn reload_replicas(&self, force: bool) -> Result<bool, MembershipError> {
+    /// Re-reads the gateway file and applies its replica list, engines and discovery names (the
+    /// only parts that reload; the sections that differ from the configuration in force and
+    /// need a restart are returned and named in the log). A list the active policy cannot take
+    /// (a pool names a replica it drops) is refused whole.
+    pub fn reload_replicas(&self, force: bool) -> Result<Reloaded, MembershipError> {
         let Some((path, seen)) = self.gateway_file else {
             return Err(MembershipError::NoFile);
         };
@@ -61,7 +70,7 @@ impl Membership<'_> {
         })?;
         let h = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
         if !force && *seen.lock() == Some(h) {
-            return Ok(false);
+            return Ok(Reloaded::default());
         }
         *seen.lock() = Some(h);
         let result = config::GatewayConfig::from_toml(&text)
@@ -69,12 +78,24 @@ impl Membership<'_> {
                 path: path.display().to_string(),
                 source,
             })
-            .and_then(|cfg| {
+            .and_then(|mut cfg| {
+                cfg.resolve_paths(path.parent().unwrap_or(std::path::Path::new(".")));
+                let needs_restart = self.fleet.config().needs_restart(&cfg);
+                if !needs_restart.is_empty() {
+                    tracing::warn!(
+                        sections = needs_restart.join(", "),
+                        "gateway file: these sections changed and apply only at a restart"
+                    );
+                }
                 self.fleet.set_engines(&cfg.engines);
                 if self.discovery.names() != cfg.discovery.dns {
                     self.discovery.set_names(cfg.discovery.dns.clone());
                 }
-                self.set_listed(cfg.replicas)
+                let changed = self.set_listed(cfg.replicas)?;
+                Ok(Reloaded {
+                    changed,
+                    needs_restart,
+                })
             });
         if let Err(e) = &result {
             tracing::warn!(error = %e, "replica list reload rejected; the list in force stays");

@@ -365,6 +365,17 @@ async fn the_replica_list_reloads_from_the_gateway_file() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    // The file's [policy] (the default, prefix_aware) is not the round-robin in force: named
+    // as needing a restart, not applied. The replica list is not named: it reloaded.
+    let body: serde_json::Value = r.json().await.unwrap();
+    let restart: Vec<&str> = body["needs_restart"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(restart.contains(&"policy"), "{body}");
+    assert!(!restart.contains(&"replicas"), "{body}");
     assert_eq!(served_by(4).await, BTreeSet::from(["b".to_string()]));
     // A list the policy cannot take is refused whole.
     let bad = dir.join("gateway.toml.bad");

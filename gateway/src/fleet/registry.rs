@@ -254,6 +254,11 @@ impl Registry {
         }
     }
 
+    /// The gateway configuration the fleet was started with (what a reload compares against).
+    pub fn config(&self) -> &GatewayConfig {
+        &self.cfg
+    }
+
     /// The client every request to a replica goes through (it carries the fleet token).
     pub fn client(&self) -> &FleetClient {
         &self.client
