@@ -26,30 +26,36 @@ impl GatewayConfig {
     /// everything else needs a restart.
     pub fn needs_restart(&self, next: &GatewayConfig) -> Vec<&'static str> {
         let mut out = Vec::new();
-        let mut check = |name: &'static str, same: bool| {
-            if !same {
-                out.push(name);
-            }
-        };
-        check("listen", self.listen == next.listen);
-        check("admin_listen", self.admin_listen == next.admin_listen);
+        // Each section by its field, named as the file names it.
+        macro_rules! compare {
+            ($($field:ident),*) => {
+                $(if self.$field != next.$field {
+                    out.push(stringify!($field));
+                })*
+            };
+        }
+        compare!(listen, admin_listen);
         let (mut a, mut b) = (self.discovery.clone(), next.discovery.clone());
         a.dns.clear();
         b.dns.clear();
-        check("discovery", a == b);
-        check("peers", self.peers == next.peers);
-        check("cost", self.cost == next.cost);
-        check("drift", self.drift == next.drift);
-        check("session_header", self.session_header == next.session_header);
-        check("model", self.model == next.model);
-        check("health", self.health == next.health);
-        check("index", self.index == next.index);
-        check("upstream", self.upstream == next.upstream);
-        check("downstream", self.downstream == next.downstream);
-        check("auth", self.auth == next.auth);
-        check("access_log", self.access_log == next.access_log);
-        check("policy", self.policy == next.policy);
-        check("policy_file", self.policy_file == next.policy_file);
+        if a != b {
+            out.push("discovery");
+        }
+        compare!(
+            peers,
+            cost,
+            drift,
+            session_header,
+            model,
+            health,
+            index,
+            upstream,
+            downstream,
+            auth,
+            access_log,
+            policy,
+            policy_file
+        );
         out
     }
 }
