@@ -34,21 +34,28 @@ fn load_gateway_file(path: &std::path::Path) -> Result<config::GatewayConfig> {
 /// `kvgate gateway --check`: everything `kvgate gateway` would load, validated, nothing bound.
 fn check_gateway(path: &std::path::Path) -> Result<()> {
     let cfg = load_gateway_file(path)?;
-    // The tokenizer, as the gateway will load it (a relative folder is taken from the working
-    // directory the gateway starts in).
-    let dir = match &cfg.model.tokenizer_dir {
-        Some(d) => PathBuf::from(d),
-        None => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
-            anyhow!("no tokenizer folder configured or found (model.tokenizer_dir)")
-        })?,
-    };
-    protocol::tokenizer::TextTokenizer::from_path(&dir).map_err(|e| {
-        anyhow!(
-            "model.tokenizer_dir {} (from {}): {e}",
-            dir.display(),
-            std::env::current_dir().map_or("?".into(), |d| d.display().to_string())
-        )
-    })?;
+    // Each model's tokenizer, as the gateway will load it (a relative folder is taken from the
+    // working directory the gateway starts in).
+    for m in cfg.served_models() {
+        let dir = match &m.tokenizer_dir {
+            Some(d) => PathBuf::from(d),
+            None => protocol::tokenizer::default_tokenizer_dir().ok_or_else(|| {
+                anyhow!(
+                    "model {}: no tokenizer folder configured or found (tokenizer_dir)",
+                    m.name
+                )
+            })?,
+        };
+        protocol::tokenizer::TextTokenizer::from_path(&dir).map_err(|e| {
+            anyhow!(
+                "model {}: tokenizer_dir {} (from {}): {e}",
+                m.name,
+                dir.display(),
+                std::env::current_dir().map_or("?".into(), |d| d.display().to_string())
+            )
+        })?;
+        println!("model {}: tokenizer {} ok", m.name, dir.display());
+    }
     if cfg.discovery.dns.is_empty() {
         println!("{}: ok ({} replicas)", path.display(), cfg.replicas.len());
     } else {
@@ -134,7 +141,7 @@ pub async fn serve_gateway(
     let admin = tokio::net::TcpListener::bind(&cfg.admin_listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.admin_listen))?;
-    let model = cfg.model.name.clone();
+    let model = cfg.served_models()[0].name.clone();
     let server = gateway::build_gateway(cfg, listener, admin).await?;
     let (addr, admin_addr) = (server.local_addr(), server.admin_addr());
     let registry = server.state().fleet.clone();

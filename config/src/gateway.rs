@@ -21,41 +21,11 @@ pub use crate::fleet::{
 };
 
 use crate::error::ConfigError;
+pub use crate::models::ModelConfig;
 use crate::policy::PolicyConfig;
 
 mod reload;
 mod validate;
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// The model name clients send and replicas serve (part of every block hash's root).
-    #[serde(default = "default_model")]
-    pub name: String,
-    /// Folder with tokenizer.json and tokenizer_config.json, or the replicas' GGUF model file
-    /// (its tokenizer metadata).
-    #[serde(default)]
-    pub tokenizer_dir: Option<String>,
-    /// Replicas' KV block size in tokens.
-    #[serde(default = "default_block_size")]
-    pub block_size: usize,
-    /// Longest prompt in tokens. Unset: the smallest `max_model_len` the replicas report on
-    /// `/v1/models`, or 131072 until one does. Prompts over it are refused before they are
-    /// tokenised in full.
-    #[serde(default)]
-    pub max_model_len: Option<usize>,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            name: default_model(),
-            tokenizer_dir: None,
-            block_size: default_block_size(),
-            max_model_len: None,
-        }
-    }
-}
 
 /// What one client connection may cost the gateway: deadlines for the request header and body,
 /// the header's size, the number of open connections, tokeniser concurrency and the drain.
@@ -360,8 +330,12 @@ pub struct GatewayConfig {
     pub engines: Vec<EngineSpec>,
     #[serde(default = "default_session_header")]
     pub session_header: String,
+    /// The one model served, over every replica (`crate::models`).
     #[serde(default)]
     pub model: ModelConfig,
+    /// Several models, each over its own replicas; replaces `[model]` when given.
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
     #[serde(default)]
     pub health: HealthConfig,
     #[serde(default)]
@@ -391,12 +365,6 @@ pub struct GatewayConfig {
     pub config_path: Option<std::path::PathBuf>,
 }
 
-fn default_model() -> String {
-    "Qwen3-8B".into()
-}
-fn default_block_size() -> usize {
-    16
-}
 fn default_health_interval() -> u64 {
     1000
 }
@@ -532,6 +500,7 @@ impl GatewayConfig {
             engines: Vec::new(),
             session_header: default_session_header(),
             model: ModelConfig::default(),
+            models: Vec::new(),
             health: HealthConfig::default(),
             index: IndexConfig::default(),
             upstream: UpstreamConfig::default(),

@@ -89,6 +89,20 @@ impl fmt::Display for PoolEntry {
     }
 }
 
+/// Indices into `replicas` of the entries of a pool (entries naming no replica are left out).
+pub fn resolve_pool(entries: &[PoolEntry], replicas: &[String]) -> Vec<usize> {
+    let mut out: Vec<usize> = entries
+        .iter()
+        .filter_map(|e| match e {
+            PoolEntry::Index(i) => (*i < replicas.len()).then_some(*i),
+            PoolEntry::Name(n) => replicas.iter().position(|x| x == n),
+        })
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// p95 latency targets; an absent field is no promise on that timer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -338,17 +352,7 @@ impl PolicyFile {
         if r.pool.is_empty() {
             return (0..replicas.len()).collect();
         }
-        let mut out: Vec<usize> = r
-            .pool
-            .iter()
-            .filter_map(|e| match e {
-                PoolEntry::Index(i) => (*i < replicas.len()).then_some(*i),
-                PoolEntry::Name(n) => replicas.iter().position(|x| x == n),
-            })
-            .collect();
-        out.sort_unstable();
-        out.dedup();
-        out
+        resolve_pool(&r.pool, replicas)
     }
 
     pub fn validate(&self, replicas: &[String]) -> Result<(), ConfigError> {

@@ -67,7 +67,7 @@ fn router(tok: Arc<TextTokenizer>) -> Gateway {
     Gateway {
         preparer: Preparer::new(tok, "Qwen3-8B".into(), 16, metrics),
         registry,
-        prefix: PrefixView::new(index, 16),
+        prefix: PrefixView::new(index),
     }
 }
 
@@ -93,7 +93,7 @@ fn bench(c: &mut Criterion) {
         let req = policies::RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
-            block_size: r.prefix.block_size,
+            block_size: p.block_size,
             matched_blocks: &matched,
             offloaded_blocks: &[],
             session_id: p.session_id.as_deref(),

@@ -225,18 +225,23 @@ pub async fn admin_handle(
                         session_id: session,
                         tenant_salt: None,
                     };
+                    let model = match state.models.pick(&body) {
+                        Ok(m) => m,
+                        Err(e) => return Ok(json(e.status, e.to_json())),
+                    };
+                    let active = state.policies.load();
                     let limits = PromptLimits {
-                        per_prompt: state.model_limit(),
+                        per_prompt: state.model_limit(&active, model),
                         per_request: state.max_request_prompt_tokens,
                     };
                     let rank = priority.rank().clamp(0, 255) as u8;
+                    let preparer = &state.models.get(model).preparer;
                     match state
                         .tokenizers
-                        .prepare(endpoint, body, caller, limits, rank)
+                        .prepare(preparer, endpoint, body, caller, limits, rank)
                         .await
                     {
                         Ok(p) => {
-                            let active = state.policies.load();
                             let route = classify::route(&active, &p, priority);
                             json(
                                 200,

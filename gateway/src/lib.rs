@@ -8,6 +8,7 @@
 //! - [`fleet`] — the replicas: registry, health, probes, learnt latency, discovery, the client;
 //! - [`prefix`] — which replica holds which prefix: the index, its lookups, prefix reuse, the
 //!   engines' KV events;
+//! - [`models`] — the served models: names, aliases, and each one's tokenizer and hashing;
 //! - [`state`] — the composition root that owns the parts and hands each stage its share;
 //!   [`server`] wires them and serves; [`admin`] is the admin API; [`membership`] changes the
 //!   fleet at run time; [`peers`] shares the admission budget with the fleet's other gateways.
@@ -23,6 +24,7 @@ pub mod http;
 pub mod lifecycle;
 pub mod membership;
 pub mod metrics;
+pub mod models;
 pub mod peers;
 pub mod prefix;
 pub mod request;

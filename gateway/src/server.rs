@@ -6,7 +6,7 @@
 //! shutdown future resolves, then drains (`lifecycle.rs`).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +15,6 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use pingora::apps::ServerApp;
 use pingora::server::configuration::ServerConf;
-use protocol::tokenizer::TextTokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
@@ -33,22 +32,22 @@ use crate::http::conn::{ConnMetrics, GuardedStream, HeaderLimits};
 use crate::http::proxy::GatewayProxy;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::GatewayMetrics;
+use crate::models::{Catalog, ModelLoadError};
 use crate::peers::{PeerPoller, Peers};
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::view::PrefixView;
 use crate::request::drift_sample::DriftSampler;
-use crate::request::prepare::{Preparer, Tokenizers};
+use crate::request::prepare::Tokenizers;
 use crate::request::tokenizer_pool::PoolLimits;
 use crate::routes::fleet_gauges::FleetGauges;
+use crate::routes::model_scope::ModelScope;
 use crate::routes::store::PolicyStore;
 use crate::state::GatewayState;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
-    #[error("cannot load the tokenizer from {0}: {1}")]
-    Tokenizer(String, String),
-    #[error("no tokenizer folder configured or found (model.tokenizer_dir)")]
-    NoTokenizer,
+    #[error(transparent)]
+    Model(#[from] ModelLoadError),
     #[error("policy file {0}: {1}")]
     Policy(String, String),
     #[error(transparent)]
@@ -92,15 +91,6 @@ pub async fn build_gateway(
     if cfg.replicas.is_empty() {
         return Err(GatewayError::NoReplicas(cfg.discovery.dns.join(", ")));
     }
-    let dir = match &cfg.model.tokenizer_dir {
-        Some(d) => Path::new(d).to_path_buf(),
-        None => protocol::tokenizer::default_tokenizer_dir().ok_or(GatewayError::NoTokenizer)?,
-    };
-    let shown = dir.display().to_string();
-    let tokenizer = tokio::task::spawn_blocking(move || TextTokenizer::from_path(&dir))
-        .await
-        .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?
-        .map_err(|e| GatewayError::Tokenizer(shown.clone(), e.to_string()))?;
     let admin_token = match &cfg.auth.admin_token {
         Some(t) => Some(t.clone()),
         None => read_secret(ADMIN_TOKEN_ENV, cfg.auth.admin_token_file.as_deref())?,
@@ -121,6 +111,8 @@ pub async fn build_gateway(
         cfg.index.max_blocks_per_replica,
     ));
     let metrics = Arc::new(GatewayMetrics::new());
+    let drift = Arc::new(DriftSampler::new(&cfg.drift, &metrics)?);
+    let models = Catalog::load(&cfg, &metrics, drift).await?;
     let registry = Arc::new(Registry::new(
         &cfg,
         index.clone(),
@@ -134,35 +126,14 @@ pub async fn build_gateway(
     registry.set_discovered_engines(&discovery.engines());
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
-    let preparer = Preparer::with_cache(
-        Arc::new(tokenizer),
-        cfg.model.name.clone(),
-        cfg.model.block_size,
-        metrics.clone(),
-        cfg.downstream.tokenizer_cache_mib << 20,
-    )
-    .with_drift(DriftSampler::new(&cfg.drift, &metrics)?);
-    match preparer.chunk_support() {
-        c if c.chunking && c.added_prefix.is_some() => tracing::info!(
-            "tokeniser: long prompts are tokenised in pieces, a shared prefix once per tenant"
-        ),
-        c if c.chunking => tracing::info!(
-            "tokeniser: long messages are tokenised in pieces; completions prompts whole (this \
-             tokenizer adds special tokens that cannot be assembled from pieces)"
-        ),
-        _ => tracing::warn!(
-            "tokeniser: this tokenizer does not tokenise cut text to the whole's ids, so every \
-             long prompt is tokenised whole (a shared prefix costs its full tokenisation each time)"
-        ),
-    }
     let d = &cfg.downstream;
     let tokenizer_slots = match d.tokenize_concurrency {
         0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
         n => n,
     };
     let state = Arc::new(GatewayState {
+        models,
         tokenizers: Tokenizers::new(
-            Arc::new(preparer),
             PoolLimits {
                 slots: tokenizer_slots,
                 max_waiting: d.tokenize_queue_max,
@@ -172,7 +143,7 @@ pub async fn build_gateway(
             },
             metrics.clone(),
         ),
-        prefix: PrefixView::new(index, cfg.model.block_size),
+        prefix: PrefixView::new(index),
         fleet: registry,
         metrics,
         max_body_bytes: cfg.upstream.max_body_bytes,
@@ -182,7 +153,6 @@ pub async fn build_gateway(
         lifecycle: Arc::new(Lifecycle::default()),
         access_log,
         max_request_prompt_tokens: d.max_request_prompt_tokens,
-        model_len_override: cfg.model.max_model_len,
         dispatch_lock: parking_lot::Mutex::new(()),
         metrics_on_api_port: d.metrics_on_api_port,
         discovery,
@@ -219,8 +189,13 @@ pub async fn build_gateway(
             let reg = &s.fleet;
             m.index_blocks.set(reg.index.len() as f64);
             m.index_bytes.set(reg.index.size_bytes() as f64);
-            let cache = s.tokenizers.preparer.cache_stats();
-            m.tokenizer_cache_bytes.set(cache.bytes as f64);
+            let cache: usize = s
+                .models
+                .all()
+                .iter()
+                .map(|x| x.preparer.cache_stats().bytes)
+                .sum();
+            m.tokenizer_cache_bytes.set(cache as f64);
             // Series appear once a replica's label is settled (its first health check).
             for r in reg
                 .replicas()
@@ -276,6 +251,7 @@ fn load_policy(
             None,
             None,
             listed(&cfg.replicas),
+            scopes(cfg),
             metrics.clone(),
         ));
     };
@@ -288,8 +264,14 @@ fn load_policy(
         Some(&text),
         Some(PathBuf::from(path)),
         listed(&cfg.replicas),
+        scopes(cfg),
         metrics.clone(),
     ))
+}
+
+/// The served models as the policy store scopes routes to them.
+fn scopes(cfg: &GatewayConfig) -> Vec<ModelScope> {
+    cfg.served_models().iter().map(ModelScope::of).collect()
 }
 
 /// At start, slots are the list's order.

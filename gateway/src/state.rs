@@ -16,19 +16,22 @@ use crate::http::auth::ApiKeyStore;
 use crate::lifecycle::Lifecycle;
 use crate::membership::{GatewayFile, Membership};
 use crate::metrics::GatewayMetrics;
+use crate::models::Catalog;
 use crate::peers::Peers;
 use crate::prefix::view::PrefixView;
 use crate::request::admit::Admitter;
 use crate::request::forward::Forwarder;
 use crate::request::place::Placer;
 use crate::request::prepare::Tokenizers;
-use crate::routes::store::PolicyStore;
+use crate::routes::store::{ActivePolicy, PolicyStore};
 
 /// The context limit used until a replica reports its own.
 pub const FALLBACK_MODEL_LEN: usize = 131_072;
 
 pub struct GatewayState {
-    /// The prepare stage: parse, tokenise, hash, on bounded tokeniser slots.
+    /// The served models, each with its preparer (parse, tokenise, hash).
+    pub models: Catalog,
+    /// The prepare stage's bounded tokeniser slots, shared by the models.
     pub tokenizers: Tokenizers,
     /// The request path's questions to the prefix index.
     pub prefix: PrefixView,
@@ -49,8 +52,6 @@ pub struct GatewayState {
     pub upstream: UpstreamLimits,
     pub session_header: String,
     pub max_request_prompt_tokens: usize,
-    /// `model.max_model_len` from the gateway file.
-    pub model_len_override: Option<usize>,
     /// Serialises admission decisions with their reservations (`request/admit.rs`).
     pub dispatch_lock: parking_lot::Mutex<()>,
     /// `GET /metrics` is also answered on the API port.
@@ -66,11 +67,17 @@ pub struct GatewayState {
 }
 
 impl GatewayState {
-    /// Longest prompt the model takes: the gateway file's setting, else what the replicas
-    /// reported, else [`FALLBACK_MODEL_LEN`].
-    pub fn model_limit(&self) -> usize {
-        self.model_len_override
-            .or_else(|| self.fleet.max_model_len().map(|n| n as usize))
+    /// Longest prompt `model` takes: the gateway file's setting, else the smallest its
+    /// replicas reported, else [`FALLBACK_MODEL_LEN`].
+    pub fn model_limit(&self, active: &ActivePolicy, model: usize) -> usize {
+        self.models
+            .get(model)
+            .max_model_len
+            .or_else(|| {
+                self.fleet
+                    .max_model_len_among(active.model_pool(model))
+                    .map(|n| n as usize)
+            })
             .unwrap_or(FALLBACK_MODEL_LEN)
     }
 

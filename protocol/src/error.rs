@@ -69,6 +69,22 @@ impl ApiError {
         .with_code("model_not_found")
     }
 
+    /// 404: `model` is none of the `served` names (each model's name and aliases).
+    pub fn model_not_found_among(model: &str, served: &[&str]) -> Self {
+        let names: Vec<String> = served.iter().map(|n| format!("`{n}`")).collect();
+        let list = match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.concat(),
+        };
+        Self::new(
+            404,
+            "invalid_request_error",
+            format!("The model `{model}` does not exist; this server serves {list}."),
+        )
+        .with_param("model")
+        .with_code("model_not_found")
+    }
+
     /// 400: the prompt (plus the requested completion) does not fit the model's context.
     pub fn context_length_exceeded(requested: usize, prompt: usize, max_model_len: usize) -> Self {
         Self::invalid_request(format!(

@@ -47,6 +47,7 @@ impl GatewayConfig {
             drift,
             session_header,
             model,
+            models,
             health,
             index,
             upstream,

@@ -70,12 +70,7 @@ impl GatewayConfig {
         self.peers.check(&mut v);
         self.cost.check(&mut v);
         self.drift.check(&mut v, &self.access_log.path);
-        v.check(
-            self.model.max_model_len != Some(0),
-            "model.max_model_len",
-            0,
-            "must be at least 1 (omit it to learn it from the replicas)",
-        );
+        self.check_models(&mut v);
         let d = &self.downstream;
         for (field, value, min) in [
             ("downstream.header_timeout_ms", d.header_timeout_ms, 100),
@@ -127,18 +122,6 @@ impl GatewayConfig {
             "access_log.sample",
             self.access_log.sample,
             "must be between 0 and 1",
-        );
-        v.check(
-            (1..=1024).contains(&self.model.block_size),
-            "model.block_size",
-            self.model.block_size,
-            "must be between 1 and 1024 and equal the replicas' block size",
-        );
-        v.check(
-            !self.model.name.is_empty(),
-            "model.name",
-            "\"\"",
-            "must not be empty",
         );
         v.check(
             self.health.interval_ms >= 10,

@@ -199,11 +199,12 @@ impl Registry {
     }
 
     /// The smallest context limit the listed replicas reported, if any did.
-    pub fn max_model_len(&self) -> Option<u64> {
+    /// The smallest context limit the replicas in `slots` report.
+    pub fn max_model_len_among(&self, slots: &[usize]) -> Option<u64> {
         self.replicas
             .load()
             .iter()
-            .filter(|r| !r.is_retired())
+            .filter(|r| !r.is_retired() && slots.contains(&r.slot))
             .filter_map(|r| r.max_model_len())
             .min()
     }

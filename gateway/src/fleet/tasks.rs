@@ -51,7 +51,8 @@ impl Registry {
                 replay: spec.as_ref().and_then(|s| s.kv_replay.clone()),
             };
             let (index, rep) = (self.index.clone(), r.clone());
-            let (model, block_size) = (self.cfg.model.name.clone(), self.cfg.model.block_size);
+            let m = self.cfg.model_of(&r.name);
+            let (model, block_size) = (m.name.clone(), m.block_size);
             tasks.push(tokio::spawn(async move {
                 let mut translator = HashTranslator::new(&model, block_size);
                 loop {

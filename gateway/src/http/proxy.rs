@@ -107,7 +107,10 @@ impl ProxyHttp for GatewayProxy {
             }
             (_, "/v1/models", _) if readable => {
                 match state.keys.authenticate(&session.req_header().headers) {
-                    Ok(_) => ("models", models::list(session, &state.fleet).await),
+                    Ok(_) => (
+                        "models",
+                        models::list(session, &state.fleet, &state.models).await,
+                    ),
                     Err(e) => {
                         state.metrics.auth_failed("api");
                         ("models", respond_error(session, &e).await)
@@ -117,13 +120,10 @@ impl ProxyHttp for GatewayProxy {
             (_, p, _) if readable && protocol::openai::model_id_in_path(p).is_some() => {
                 let id = protocol::openai::model_id_in_path(p).unwrap_or_default();
                 match state.keys.authenticate(&session.req_header().headers) {
-                    Ok(_) => {
-                        let served = &state.tokenizers.preparer.model;
-                        (
-                            "models",
-                            models::one(session, &state.fleet, &id, served).await,
-                        )
-                    }
+                    Ok(_) => (
+                        "models",
+                        models::one(session, &state.fleet, &state.models, &id).await,
+                    ),
                     Err(e) => {
                         state.metrics.auth_failed("api");
                         ("models", respond_error(session, &e).await)

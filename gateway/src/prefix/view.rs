@@ -51,16 +51,14 @@ pub struct PrefixView {
     reuse: PrefixReuse,
     /// Prefixes with a warming request in flight (`request/warm.rs`).
     pub warming: Arc<Warming>,
-    pub block_size: usize,
 }
 
 impl PrefixView {
-    pub fn new(index: Arc<PrefixIndex>, block_size: usize) -> Self {
+    pub fn new(index: Arc<PrefixIndex>) -> Self {
         PrefixView {
             index,
             reuse: PrefixReuse::default(),
             warming: Arc::default(),
-            block_size,
         }
     }
 
@@ -98,15 +96,6 @@ impl PrefixView {
     /// Per replica: recent requests that reused the prefix it holds of this prompt.
     pub fn reuse(&self, p: PromptBlocks<'_>, matched: &[usize]) -> Vec<f64> {
         self.reuse.at_matches(p.cacheable_hashes(), matched)
-    }
-
-    /// Uncached prompt tokens of a `prompt_tokens` prompt at each replica's match.
-    pub fn uncached(&self, prompt_tokens: usize, matched: &[usize], replica: usize) -> u64 {
-        uncached_tokens(
-            prompt_tokens,
-            matched.get(replica).copied().unwrap_or(0),
-            self.block_size,
-        )
     }
 
     /// The speculative index insert: the prompt's blocks are taken to be at `replica` from the

@@ -126,10 +126,7 @@ impl Admitter<'_> {
             .iter()
             .filter_map(|&i| replicas.get(i).filter(|r| r.is_healthy()))
             .map(|r| {
-                let uncached = self
-                    .placer
-                    .prefix
-                    .uncached(p.prompt_tokens, matched, r.slot);
+                let uncached = p.uncached(matched, r.slot);
                 let cached = (p.prompt_tokens as u64).saturating_sub(uncached);
                 (r.model.lock())
                     .predict_ttft(0, uncached, cached)
@@ -200,7 +197,7 @@ impl Admitter<'_> {
                         };
                         let pending = PendingPrefill::new(
                             replica,
-                            prefix.uncached(p.prompt_tokens, &matched, d.replica),
+                            p.uncached(&matched, d.replica),
                             p.hashes.clone(),
                         );
                         let admitted = Admitted::new(

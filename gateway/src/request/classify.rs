@@ -70,7 +70,7 @@ pub fn prompt_limits(
 
 /// The route `p` takes: the first whose rules hold for its size and priority.
 pub fn route<'a>(active: &'a ActivePolicy, p: &Prepared, priority: Priority) -> &'a ActiveRoute {
-    active.route(p.prompt_tokens, priority)
+    active.route(p.model, p.prompt_tokens, priority)
 }
 
 /// Whether `p` fits its route's own prompt limit.

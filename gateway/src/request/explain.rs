@@ -32,7 +32,7 @@ fn matched_because(route: &ActiveRoute, prompt_tokens: usize) -> String {
 
 /// The explanation of where `p` would go on `route` now (a dry run of placement).
 pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &ActiveRoute) -> Value {
-    let block_size = placer.prefix.block_size;
+    let block_size = p.block_size;
     let all = placer.fleet.replicas();
     let matched = placer.matched(p);
     let offloaded = placer.prefix.offloaded(p.blocks(), &matched);

@@ -307,7 +307,7 @@ impl Forwarder<'_> {
         r.metrics().prompt_tokens.increment(p.prompt_tokens as u64);
         r.metrics()
             .predicted_hit_tokens
-            .increment((d.matched_blocks * self.prefix.block_size) as u64);
+            .increment((d.matched_blocks * p.block_size) as u64);
     }
 
     /// Sends an admitted request, retrying before the first byte, and hands the answer to the
@@ -324,7 +324,7 @@ impl Forwarder<'_> {
         rec: &mut AccessRecord,
         again: &Again<'_>,
     ) -> u16 {
-        let block_size = self.prefix.block_size;
+        let block_size = p.block_size;
         let hits = hit_policy(active, block_size);
         let body = p.body_for(route.cfg.engine_priority);
         let mut tried: Vec<usize> = Vec::new();

@@ -69,6 +69,15 @@ pub async fn generate(
         Ok(b) => b,
         Err(e) => return respond_error(session, &e).await,
     };
+    // The model first: its prompt limit, tokenizer and routes depend on it.
+    let model = match state.models.pick(&body) {
+        Ok(m) => m,
+        Err(e) => return respond_error(session, &e).await,
+    };
+    let served = state.models.get(model);
+    if state.models.all().len() > 1 {
+        rec.model = Some(served.name.clone());
+    }
     // One policy version for the whole request, whatever reloads meanwhile.
     let active = state.policies.load();
     let caller = Caller {
@@ -82,7 +91,7 @@ pub async fn generate(
     };
     let limits = classify::prompt_limits(
         &active,
-        state.model_limit(),
+        state.model_limit(&active, model),
         state.max_request_prompt_tokens,
     );
 
@@ -90,7 +99,7 @@ pub async fn generate(
     let rank = priority.rank().clamp(0, 255) as u8;
     let prepared = match state
         .tokenizers
-        .prepare(endpoint, body, caller, limits, rank)
+        .prepare(&served.preparer, endpoint, body, caller, limits, rank)
         .await
     {
         Ok(p) => p,
@@ -101,7 +110,7 @@ pub async fn generate(
 
     // 2. classify
     let route = classify::route(&active, &prepared, priority);
-    rec.route = Some(route.cfg.name.clone());
+    rec.route = Some(route.rt.name.clone());
     if let Err(e) = classify::fits(route, &prepared) {
         return respond_error(session, &e).await;
     }

@@ -239,7 +239,7 @@ impl Placer<'_> {
                     continue;
                 };
                 let pressure = registry.pressure(i, holdoff, p.prompt_tokens as u64);
-                let uncached = self.prefix.uncached(p.prompt_tokens, matched, i);
+                let uncached = p.uncached(matched, i);
                 let verdict = admissible(
                     &r.model.lock(),
                     &pressure,
@@ -369,7 +369,7 @@ impl Placer<'_> {
         let req = RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,
-            block_size: self.prefix.block_size,
+            block_size: p.block_size,
             matched_blocks: matched,
             offloaded_blocks: &offloaded,
             session_id: p.session_id.as_deref(),

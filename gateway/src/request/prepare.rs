@@ -33,12 +33,15 @@ pub const INLINE_PREPARE_BYTES: usize = 1024;
 pub struct Preparer {
     pub tokenizer: Arc<TextTokenizer>,
     segments: SegmentCache,
-    /// The served model name a request must ask for.
+    /// The served model name a request must ask for (or one of its aliases).
     pub model: String,
+    aliases: Vec<String>,
+    /// The model's position among the served models (`models.rs`).
+    index: usize,
     pub block_size: usize,
     metrics: Arc<GatewayMetrics>,
     /// Which requests are sampled for the drift checks (`[drift]`; off unless set).
-    drift: DriftSampler,
+    drift: Arc<DriftSampler>,
 }
 
 fn too_long(at_least: usize, limit: usize, exact: bool) -> ApiError {
@@ -79,15 +82,24 @@ impl Preparer {
             tokenizer,
             segments,
             model,
+            aliases: Vec::new(),
+            index: 0,
             block_size,
             metrics,
-            drift: DriftSampler::default(),
+            drift: Arc::default(),
         }
     }
 
     /// Samples requests for the drift checks as `drift` says.
-    pub fn with_drift(mut self, drift: DriftSampler) -> Self {
+    pub fn with_drift(mut self, drift: Arc<DriftSampler>) -> Self {
         self.drift = drift;
+        self
+    }
+
+    /// The model's place among the served models and the other names it answers to.
+    pub fn serving(mut self, index: usize, aliases: Vec<String>) -> Self {
+        self.index = index;
+        self.aliases = aliases;
         self
     }
 
@@ -109,7 +121,12 @@ impl Preparer {
                     .with_code("missing_model"),
             ),
             Some(m) if m == self.model => Ok(()),
-            Some(m) => Err(ApiError::model_not_found(m, &self.model)),
+            Some(m) => {
+                let served: Vec<&str> = std::iter::once(self.model.as_str())
+                    .chain(self.aliases.iter().map(String::as_str))
+                    .collect();
+                Err(ApiError::model_not_found_among(m, &served))
+            }
         }
     }
 
@@ -171,6 +188,12 @@ impl Preparer {
         };
         // The client's priority is never forwarded: the route decides it (`body_for`).
         doc.remove("priority");
+        // An alias is forwarded as the model's name, which the replicas serve and hash with.
+        if let Some(Value::String(m)) = doc.get_mut("model") {
+            if self.aliases.contains(m) {
+                m.clone_from(&self.model);
+            }
+        }
         let client_salt = match doc.get("cache_salt") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),
@@ -276,6 +299,8 @@ impl Preparer {
         let root = root_hash(&self.model, None, salt.as_deref());
         let hashes = block_hashes(root, &first, self.block_size);
         Ok(Prepared {
+            model: self.index,
+            block_size: self.block_size,
             endpoint,
             stream,
             prompt_tokens: total,
@@ -291,18 +316,17 @@ impl Preparer {
     }
 }
 
-/// The prepare stage as the request path runs it: a [`Preparer`] behind the tokeniser pool
-/// (`tokenizer_pool.rs`) on the blocking pool.
+/// The prepare stage as the request path runs it: the model's [`Preparer`] behind the
+/// tokeniser pool (`tokenizer_pool.rs`, shared by every model: the slots are the CPU's) on the
+/// blocking pool.
 pub struct Tokenizers {
-    pub preparer: Arc<Preparer>,
     pool: Arc<TokenizerPool>,
     metrics: Arc<GatewayMetrics>,
 }
 
 impl Tokenizers {
-    pub fn new(preparer: Arc<Preparer>, limits: PoolLimits, metrics: Arc<GatewayMetrics>) -> Self {
+    pub fn new(limits: PoolLimits, metrics: Arc<GatewayMetrics>) -> Self {
         Tokenizers {
-            preparer,
             pool: TokenizerPool::new(limits),
             metrics,
         }
@@ -313,8 +337,10 @@ impl Tokenizers {
     /// most [`INLINE_PREPARE_BYTES`]: a few hundred tokens, tens of microseconds) is prepared
     /// where it is, on the reactor — the hand-off to the blocking pool and back would cost more
     /// than the work.
+    #[allow(clippy::too_many_arguments)]
     pub async fn prepare(
         &self,
+        preparer: &Arc<Preparer>,
         endpoint: Endpoint,
         body: Bytes,
         caller: Caller,
@@ -323,7 +349,7 @@ impl Tokenizers {
     ) -> Result<Prepared, ApiError> {
         let started = Instant::now();
         if body.len() <= INLINE_PREPARE_BYTES {
-            let p = self.preparer.prepare(endpoint, &body, &caller, limits)?;
+            let p = preparer.prepare(endpoint, &body, &caller, limits)?;
             self.record(&p, started);
             return Ok(p);
         }
@@ -344,7 +370,7 @@ impl Tokenizers {
                 .with_code("tokenizer_busy"));
             }
         };
-        let preparer = self.preparer.clone();
+        let preparer = preparer.clone();
         let p = tokio::task::spawn_blocking(move || {
             let _slot = slot;
             preparer.prepare(endpoint, &body, &caller, limits)

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::prefix::view::PromptBlocks;
+use crate::prefix::view::{uncached_tokens, PromptBlocks};
 
 /// What a replica's `/tokenize` is asked, and the ids the gateway made of the same input
 /// (a request sampled for the token-id drift check, `request/drift_sample.rs`).
@@ -53,6 +53,10 @@ pub struct Caller {
 /// A parsed, tokenised, hashed request ready to route.
 #[derive(Debug, Clone)]
 pub struct Prepared {
+    /// The model asked for: its position among the served models (`models.rs`).
+    pub model: usize,
+    /// That model's KV block size in tokens.
+    pub block_size: usize,
     pub endpoint: Endpoint,
     pub stream: bool,
     /// Prompt tokens of the whole request (summed over a batched prompt list): what routes
@@ -95,6 +99,16 @@ impl Prepared {
             priority: (engine_priority != 0).then_some(engine_priority),
         };
         Bytes::from(serde_json::to_vec(&out).unwrap_or_default())
+    }
+
+    /// Prompt tokens a replica must compute with `matched[replica]` of the prompt's blocks
+    /// cached there.
+    pub fn uncached(&self, matched: &[usize], replica: usize) -> u64 {
+        uncached_tokens(
+            self.prompt_tokens,
+            matched.get(replica).copied().unwrap_or(0),
+            self.block_size,
+        )
     }
 
     /// The prompt's blocks as the prefix index reads them.

@@ -75,7 +75,7 @@ impl Warmer<'_> {
             .iter()
             .find(|s| s.replica == slot)
             .map_or(0, |s| s.matched_blocks);
-        let uncached = uncached_tokens(p.prompt_tokens, matched, self.prefix.block_size);
+        let uncached = uncached_tokens(p.prompt_tokens, matched, p.block_size);
         self.prefix.sent(slot, p.blocks(), None, self.fleet.now_s());
         let (pending, _) = PendingPrefill::new(replica.clone(), uncached, p.hashes.clone());
         let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
@@ -108,6 +108,8 @@ mod tests {
 
     fn prepared(endpoint: Endpoint, doc: Value) -> Prepared {
         Prepared {
+            model: 0,
+            block_size: 16,
             endpoint,
             stream: true,
             prompt_tokens: 40,

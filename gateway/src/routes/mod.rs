@@ -4,12 +4,14 @@
 //! [`goodput`] accounting), kept across reloads; [`admitted`] is a dispatched request's share of
 //! its route's limits; [`admissible`] is the rule that says whether a replica can take a
 //! request and still keep the route's promise; [`fleet_gauges`] turns the routes and their
-//! pools into the autoscaling signal and the live cost per million tokens.
+//! pools into the autoscaling signal and the live cost per million tokens; [`model_scope`] is a
+//! served model's share of the replicas, which narrows each route's pool for its requests.
 
 pub mod admissible;
 pub mod admitted;
 pub mod fleet_gauges;
 pub mod goodput;
+pub mod model_scope;
 pub mod queue;
 pub mod runtime;
 pub mod store;

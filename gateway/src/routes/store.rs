@@ -7,6 +7,11 @@
 //!
 //! A route's runtime (queue, in-flight counts, goodput window) is kept across reloads by route
 //! name, so limits stay exact while the file changes.
+//!
+//! With several models (`[[models]]`), every route of the file exists once per model, over the
+//! replicas of its pool that serve the model, with its own runtime keyed `model/route`: each
+//! model's queue, limits and promise are its own, and the fleet-wide checks (the strictest
+//! inter-token promise on a replica) see every model's routes.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use config::routes::PoolEntry;
 use config::{ConfigError, PolicyConfig, PolicyFile, RouteConfig};
 use parking_lot::Mutex;
 use policies::RoutingPolicy;
@@ -22,11 +28,14 @@ use protocol::time::unix_now;
 use serde_json::{json, Value};
 
 use crate::metrics::GatewayMetrics;
+use crate::routes::model_scope::ModelScope;
 use crate::routes::runtime::RouteRuntime;
 
-/// One route of the active policy.
+/// One route of the active policy (for one model).
 pub struct ActiveRoute {
     pub cfg: RouteConfig,
+    /// The model's position among the served models.
+    pub model: usize,
     pub policy: Box<dyn RoutingPolicy>,
     /// Replica slots of the pool.
     pub pool: Vec<usize>,
@@ -41,12 +50,28 @@ pub struct ActivePolicy {
     /// 1 for the first accepted file, +1 per accepted reload.
     pub generation: u64,
     pub loaded_at_unix: u64,
+    /// The file's routes once per served model, model by model.
     pub routes: Vec<ActiveRoute>,
+    /// Per served model: its name and the replica slots serving it.
+    pub models: Vec<(String, Vec<usize>)>,
 }
 
 impl ActivePolicy {
-    pub fn route(&self, prompt_tokens: usize, priority: config::Priority) -> &ActiveRoute {
-        &self.routes[self.file.classify(prompt_tokens, priority)]
+    /// The route a request for `model` takes: the first whose rules hold.
+    pub fn route(
+        &self,
+        model: usize,
+        prompt_tokens: usize,
+        priority: config::Priority,
+    ) -> &ActiveRoute {
+        let per_model = self.file.routes.len();
+        let m = model.min(self.models.len().saturating_sub(1));
+        &self.routes[m * per_model + self.file.classify(prompt_tokens, priority)]
+    }
+
+    /// The replica slots serving `model`.
+    pub fn model_pool(&self, model: usize) -> &[usize] {
+        self.models.get(model).map_or(&[], |(_, p)| p.as_slice())
     }
 
     /// The tightest inter-token promise among routes whose pool shares a replica with `pool`.
@@ -81,6 +106,8 @@ pub struct PolicyStore {
     /// The listed replicas, in the gateway file's order, with their registry slots: pools
     /// name replicas by `host:port` or list index, routes hold slots.
     replicas: Mutex<Vec<(usize, String)>>,
+    /// The served models, in the gateway file's order.
+    models: Vec<ModelScope>,
     metrics: Arc<GatewayMetrics>,
     runtimes: Mutex<HashMap<String, Arc<RouteRuntime>>>,
     last_error: Mutex<Option<ReloadError>>,
@@ -96,12 +123,14 @@ fn text_hash(text: &str) -> u64 {
 }
 
 impl PolicyStore {
-    /// The store for `file` (already validated), read from `path` when it came from one.
+    /// The store for `file` (already validated), read from `path` when it came from one, for
+    /// the served `models`.
     pub fn new(
         file: PolicyFile,
         text: Option<&str>,
         path: Option<PathBuf>,
         replicas: Vec<(usize, String)>,
+        models: Vec<ModelScope>,
         metrics: Arc<GatewayMetrics>,
     ) -> Self {
         let runtimes = Mutex::new(HashMap::new());
@@ -109,7 +138,7 @@ impl PolicyStore {
             Some(t) => format!("{:012x}", text_hash(t) >> 16),
             None => "inline".into(),
         });
-        let active = build(file, version, 1, &replicas, &metrics, &runtimes);
+        let active = build(file, version, 1, &replicas, &models, &metrics, &runtimes);
         metrics.policy_generation.set(1.0);
         metrics.policy_reload(true);
         let mut versions = HashMap::new();
@@ -121,6 +150,7 @@ impl PolicyStore {
             active: ArcSwap::from_pointee(active),
             path,
             replicas: Mutex::new(replicas),
+            models,
             metrics,
             runtimes,
             last_error: Mutex::new(None),
@@ -141,10 +171,26 @@ impl PolicyStore {
             .collect()
     }
 
-    /// Whether the active policy still holds with `names` as the replica list (a pool may
-    /// name a replica the new list drops).
+    /// Whether the active policy and the models' pools still hold with `names` as the replica
+    /// list (a pool may name a replica the new list drops).
     pub fn check_replicas(&self, names: &[String]) -> Result<(), ConfigError> {
-        self.load().file.validate(names)
+        self.load().file.validate(names)?;
+        let mut v = config::error::Validator::new();
+        for m in &self.models {
+            for e in &m.pool {
+                let known = match e {
+                    PoolEntry::Index(x) => *x < names.len(),
+                    PoolEntry::Name(n) => names.contains(n),
+                };
+                v.check(
+                    known,
+                    &format!("models[{}].replicas", m.name),
+                    e,
+                    "names a replica the new list drops",
+                );
+            }
+        }
+        v.finish()
     }
 
     /// Rebuilds the active policy over a new replica list (checked with
@@ -156,6 +202,7 @@ impl PolicyStore {
             active.version.clone(),
             active.generation + 1,
             &listed,
+            &self.models,
             &self.metrics,
             &self.runtimes,
         );
@@ -245,6 +292,7 @@ impl PolicyStore {
             version,
             generation,
             &self.replicas.lock(),
+            &self.models,
             &self.metrics,
             &self.runtimes,
         );
@@ -290,6 +338,7 @@ impl PolicyStore {
                 let ms = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
                 json!({
                     "name": r.cfg.name,
+                    "model": a.models.get(r.model).map(|(n, _)| n.clone()),
                     "rules": {
                         "min_prompt_tokens": r.cfg.min_prompt_tokens,
                         "priority": r.cfg.priority.map(|p| p.label()),
@@ -347,44 +396,78 @@ fn knobs(p: &PolicyConfig) -> Value {
     v
 }
 
+/// The runtime key of route `route` of model `model`: the route's name when one model is
+/// served (names and metric labels as before models came), `model/route` otherwise.
+fn runtime_key(models: &[ModelScope], model: &str, route: &str) -> String {
+    if models.len() <= 1 {
+        route.to_string()
+    } else {
+        format!("{model}/{route}")
+    }
+}
+
 fn build(
     file: PolicyFile,
     version: String,
     generation: u64,
     replicas: &[(usize, String)],
+    models: &[ModelScope],
     metrics: &Arc<GatewayMetrics>,
     runtimes: &Mutex<HashMap<String, Arc<RouteRuntime>>>,
 ) -> ActivePolicy {
     let names: Vec<String> = replicas.iter().map(|(_, n)| n.clone()).collect();
+    let fallback = [ModelScope::every_replica("")];
+    let models = if models.is_empty() {
+        &fallback[..]
+    } else {
+        models
+    };
     let mut rts = runtimes.lock();
-    let routes = file
-        .routes
-        .iter()
-        .enumerate()
-        .map(|(i, cfg)| {
+    let mut routes = Vec::with_capacity(models.len() * file.routes.len());
+    let mut served = Vec::with_capacity(models.len());
+    for (m, scope) in models.iter().enumerate() {
+        let serving = scope.resolve(&names);
+        for (i, cfg) in file.routes.iter().enumerate() {
+            let key = runtime_key(models, &scope.name, &cfg.name);
             let rt = rts
-                .entry(cfg.name.clone())
-                .or_insert_with(|| Arc::new(RouteRuntime::new(&cfg.name, metrics.clone())))
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(RouteRuntime::new(&key, metrics.clone())))
                 .clone();
             rt.queue.set_capacity(cfg.queue_size);
-            ActiveRoute {
+            let pool: Vec<usize> = file
+                .pool(i, &names)
+                .into_iter()
+                .filter(|k| serving.contains(k))
+                .map(|k| replicas[k].0)
+                .collect();
+            if pool.is_empty() && !names.is_empty() {
+                tracing::warn!(
+                    model = %scope.name,
+                    route = %cfg.name,
+                    "no replica of this route's pool serves the model; its requests on this route \
+                     will be refused"
+                );
+            }
+            routes.push(ActiveRoute {
                 policy: policies::build(cfg.policy.as_ref().unwrap_or(&file.policy)),
-                pool: file
-                    .pool(i, &names)
-                    .into_iter()
-                    .map(|k| replicas[k].0)
-                    .collect(),
+                model: m,
+                pool,
                 slo: Slo::from_ms(cfg.slo.ttft_ms, cfg.slo.itl_ms),
                 cfg: cfg.clone(),
                 rt,
-            }
-        })
-        .collect();
+            });
+        }
+        served.push((
+            scope.name.clone(),
+            serving.into_iter().map(|k| replicas[k].0).collect(),
+        ));
+    }
     ActivePolicy {
         file,
         version,
         generation,
         loaded_at_unix: unix_now(),
         routes,
+        models: served,
     }
 }

@@ -9,6 +9,7 @@ use crate::metrics::GatewayMetrics;
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::zmq::EventSink;
 use crate::request::prepared::Endpoint;
+use crate::routes::model_scope::ModelScope;
 use crate::routes::store::PolicyStore;
 
 /// Two healthy replicas with live KV events and the same learnt speed (1,000 tokens/s, 10 ms
@@ -44,10 +45,13 @@ fn fleet() -> Fleet {
         None,
         None,
         names.into_iter().enumerate().collect(),
+        vec![ModelScope::every_replica("Qwen3-8B")],
         metrics,
     );
     let hashes: Vec<u64> = (1..=64).collect();
     let prompt = Prepared {
+        model: 0,
+        block_size: 16,
         endpoint: Endpoint::Completions,
         stream: false,
         prompt_tokens: 64 * 16 + 8,
@@ -62,7 +66,7 @@ fn fleet() -> Fleet {
     };
     Fleet {
         registry,
-        prefix: PrefixView::new(index, 16),
+        prefix: PrefixView::new(index),
         policies,
         prompt,
     }
