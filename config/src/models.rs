@@ -86,6 +86,21 @@ impl ModelConfig {
     }
 }
 
+/// The model of `models` whose KV blocks `replica` (of the `listed` replicas) holds: the first
+/// one it serves (validation keeps a shared replica's models at one block size), else the
+/// first model. Its name roots, and its block size cuts, the hashes of the replica's engine
+/// events.
+pub fn model_of<'a>(
+    models: &'a [ModelConfig],
+    listed: &[String],
+    replica: &str,
+) -> &'a ModelConfig {
+    models
+        .iter()
+        .find(|m| m.serves(replica, listed))
+        .unwrap_or(&models[0])
+}
+
 impl GatewayConfig {
     /// The models this gateway serves: the `[[models]]` list, or the one `[model]`.
     pub fn served_models(&self) -> &[ModelConfig] {
@@ -96,15 +111,9 @@ impl GatewayConfig {
         }
     }
 
-    /// The model whose KV blocks `replica` holds: the first one it serves (validation keeps a
-    /// shared replica's models at one block size). Its name roots, and its block size cuts,
-    /// the hashes of the replica's engine events.
+    /// The model whose KV blocks `replica` holds ([`model_of`]).
     pub fn model_of(&self, replica: &str) -> &ModelConfig {
-        let models = self.served_models();
-        models
-            .iter()
-            .find(|m| m.serves(replica, &self.replicas))
-            .unwrap_or(&models[0])
+        model_of(self.served_models(), &self.replicas, replica)
     }
 
     /// The models' rules: names and aliases unique, pools naming listed replicas, every listed

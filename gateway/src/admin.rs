@@ -131,6 +131,7 @@ pub async fn admin_handle(
                     serde_json::json!({
                         "replica": r.label(),
                         "name": r.name,
+                        "model": reg.model_of(&r.name).0,
                         "pending_prefill_tokens": pressure.queued_prefill_tokens,
                         "preempting": pressure.preempting,
                         "projected_kv_usage": pressure.kv_usage,
@@ -172,11 +173,13 @@ pub async fn admin_handle(
         ),
         ("GET", "/admin/policy") => json(200, state.policies.describe(&names(&state)).to_string()),
         ("PUT", "/admin/replicas") => put_replicas(&state, req).await,
-        ("POST", "/admin/replicas/reload") => match state.membership().reload_replicas(true) {
+        ("POST", "/admin/replicas/reload") => match state.membership().reload(true).await {
             Ok(r) => json(
                 200,
                 serde_json::json!({
                     "replicas": listed_names(&state),
+                    "models": state.models.load().names(),
+                    "models_changed": r.models_changed,
                     "needs_restart": r.needs_restart,
                 })
                 .to_string(),
@@ -225,23 +228,29 @@ pub async fn admin_handle(
                         session_id: session,
                         tenant_salt: None,
                     };
-                    let model = match state.models.pick(&body) {
-                        Ok(m) => m,
+                    let active = state.policies.load();
+                    let catalog = state.models.load_full();
+                    let picked = catalog.pick(&body).and_then(|m| {
+                        let i = active.model_index(&m.cfg.name);
+                        i.map(|i| (m, i))
+                            .ok_or_else(|| catalog.not_found(&m.cfg.name))
+                    });
+                    let (served, model) = match picked {
+                        Ok(x) => x,
                         Err(e) => return Ok(json(e.status, e.to_json())),
                     };
-                    let active = state.policies.load();
                     let limits = PromptLimits {
-                        per_prompt: state.model_limit(&active, model),
+                        per_prompt: state.model_limit(&served.cfg, &active, model),
                         per_request: state.max_request_prompt_tokens,
                     };
                     let rank = priority.rank().clamp(0, 255) as u8;
-                    let preparer = &state.models.get(model).preparer;
                     match state
                         .tokenizers
-                        .prepare(preparer, endpoint, body, caller, limits, rank)
+                        .prepare(&served.preparer, endpoint, body, caller, limits, rank)
                         .await
                     {
-                        Ok(p) => {
+                        Ok(mut p) => {
+                            p.model = model;
                             let route = classify::route(&active, &p, priority);
                             json(
                                 200,

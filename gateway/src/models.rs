@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
-use config::GatewayConfig;
+use config::{GatewayConfig, ModelConfig};
 use protocol::tokenizer::TextTokenizer;
 use protocol::ApiError;
 use serde::Deserialize;
@@ -28,18 +28,20 @@ pub enum ModelLoadError {
 
 /// One served model.
 pub struct ServedModel {
-    pub name: String,
-    pub aliases: Vec<String>,
-    /// `max_model_len` from the gateway file.
-    pub max_model_len: Option<usize>,
+    /// Its entry in the gateway file.
+    pub cfg: ModelConfig,
     pub preparer: Arc<Preparer>,
 }
 
 /// The served models, in the gateway file's order.
 pub struct Catalog {
     models: Vec<ServedModel>,
-    /// When the catalog was loaded (unix seconds): the `created` of the gateway's own cards.
+    /// When the catalog was first loaded (unix seconds): the `created` of the gateway's own
+    /// cards.
     pub created: u64,
+    metrics: Arc<GatewayMetrics>,
+    drift: Arc<DriftSampler>,
+    cache_bytes: usize,
 }
 
 /// The one field of a body read before it is prepared.
@@ -49,6 +51,14 @@ struct ModelField<'a> {
     model: Option<Cow<'a, str>>,
 }
 
+/// Whether a preparer made for `a` serves `b` as well (what it hashes and rewrites with).
+fn same_preparer(a: &ModelConfig, b: &ModelConfig) -> bool {
+    a.name == b.name
+        && a.aliases == b.aliases
+        && a.tokenizer_dir == b.tokenizer_dir
+        && a.block_size == b.block_size
+}
+
 impl Catalog {
     /// Loads every model's tokenizer (one load per folder, shared by the models naming it).
     pub async fn load(
@@ -56,17 +66,50 @@ impl Catalog {
         metrics: &Arc<GatewayMetrics>,
         drift: Arc<DriftSampler>,
     ) -> Result<Self, ModelLoadError> {
+        let empty = Catalog {
+            models: Vec::new(),
+            created: protocol::time::unix_now(),
+            metrics: metrics.clone(),
+            drift,
+            cache_bytes: cfg.downstream.tokenizer_cache_mib << 20,
+        };
+        empty.reloaded(cfg.served_models()).await
+    }
+
+    /// The catalog for `models` (a reloaded gateway file's): a model whose name, aliases,
+    /// tokenizer and block size did not change keeps its preparer (and its segment cache); a
+    /// tokenizer folder already loaded is not loaded again. Any model that cannot be loaded
+    /// fails the whole.
+    pub async fn reloaded(&self, models: &[ModelConfig]) -> Result<Self, ModelLoadError> {
         let mut loaded: Vec<(String, Arc<TextTokenizer>)> = Vec::new();
-        let mut models = Vec::new();
-        for (i, m) in cfg.served_models().iter().enumerate() {
+        let mut out = Vec::new();
+        for m in models {
+            if let Some(kept) = self.models.iter().find(|x| same_preparer(&x.cfg, m)) {
+                out.push(ServedModel {
+                    cfg: m.clone(),
+                    preparer: kept.preparer.clone(),
+                });
+                continue;
+            }
             let dir = match &m.tokenizer_dir {
                 Some(d) => Path::new(d).to_path_buf(),
                 None => protocol::tokenizer::default_tokenizer_dir()
                     .ok_or_else(|| ModelLoadError::NoTokenizer(m.name.clone()))?,
             };
             let shown = dir.display().to_string();
-            let tokenizer = match loaded.iter().find(|(d, _)| *d == shown) {
-                Some((_, t)) => t.clone(),
+            let known = self
+                .models
+                .iter()
+                .find(|x| x.cfg.tokenizer_dir == m.tokenizer_dir)
+                .map(|x| x.preparer.tokenizer.clone())
+                .or_else(|| {
+                    loaded
+                        .iter()
+                        .find(|(d, _)| *d == shown)
+                        .map(|(_, t)| t.clone())
+                });
+            let tokenizer = match known {
+                Some(t) => t,
                 None => {
                     let fail =
                         |e: String| ModelLoadError::Tokenizer(m.name.clone(), shown.clone(), e);
@@ -83,22 +126,23 @@ impl Catalog {
                 tokenizer,
                 m.name.clone(),
                 m.block_size,
-                metrics.clone(),
-                cfg.downstream.tokenizer_cache_mib << 20,
+                self.metrics.clone(),
+                self.cache_bytes,
             )
-            .with_drift(drift.clone())
-            .serving(i, m.aliases.clone());
+            .with_drift(self.drift.clone())
+            .with_aliases(m.aliases.clone());
             report_chunking(&m.name, &preparer);
-            models.push(ServedModel {
-                name: m.name.clone(),
-                aliases: m.aliases.clone(),
-                max_model_len: m.max_model_len,
+            out.push(ServedModel {
+                cfg: m.clone(),
                 preparer: Arc::new(preparer),
             });
         }
         Ok(Catalog {
-            models,
-            created: protocol::time::unix_now(),
+            models: out,
+            created: self.created,
+            metrics: self.metrics.clone(),
+            drift: self.drift.clone(),
+            cache_bytes: self.cache_bytes,
         })
     }
 
@@ -113,16 +157,14 @@ impl Catalog {
 
     /// The model `requested` names (its name or an alias).
     pub fn find(&self, requested: &str) -> Option<usize> {
-        self.models
-            .iter()
-            .position(|m| m.name == requested || m.aliases.iter().any(|a| a == requested))
+        self.models.iter().position(|m| m.cfg.answers_to(requested))
     }
 
     /// Every name a request may give, canonical names first in each model's entry.
     pub fn names(&self) -> Vec<&str> {
         self.models
             .iter()
-            .flat_map(|m| std::iter::once(&m.name).chain(&m.aliases))
+            .flat_map(|m| std::iter::once(&m.cfg.name).chain(&m.cfg.aliases))
             .map(String::as_str)
             .collect()
     }
@@ -131,16 +173,22 @@ impl Catalog {
     /// preparer checks the name as it parses. With several, only the `model` field is read;
     /// a body that is not JSON, or has no `model`, goes to the first model's preparer, which
     /// refuses it with the usual error. A name no model answers to is a 404 naming them all.
-    pub fn pick(&self, body: &[u8]) -> Result<usize, ApiError> {
+    pub fn pick(&self, body: &[u8]) -> Result<&ServedModel, ApiError> {
         if self.models.len() == 1 {
-            return Ok(0);
+            return Ok(&self.models[0]);
         }
         match serde_json::from_slice::<ModelField<'_>>(body) {
             Ok(ModelField { model: Some(m) }) => self
                 .find(&m)
-                .ok_or_else(|| ApiError::model_not_found_among(&m, &self.names())),
-            _ => Ok(0),
+                .map(|i| &self.models[i])
+                .ok_or_else(|| self.not_found(&m)),
+            _ => Ok(&self.models[0]),
         }
+    }
+
+    /// 404 for a model no entry answers to, naming every served name.
+    pub fn not_found(&self, requested: &str) -> ApiError {
+        ApiError::model_not_found_among(requested, &self.names())
     }
 }
 
@@ -176,38 +224,65 @@ mod tests {
         Catalog {
             models: names
                 .iter()
-                .enumerate()
-                .map(|(i, (n, a))| {
+                .map(|(n, a)| {
                     let aliases: Vec<String> = a.iter().map(|s| s.to_string()).collect();
                     ServedModel {
-                        name: n.to_string(),
-                        aliases: aliases.clone(),
-                        max_model_len: None,
+                        cfg: ModelConfig {
+                            name: n.to_string(),
+                            aliases: aliases.clone(),
+                            ..ModelConfig::default()
+                        },
                         preparer: Arc::new(
                             Preparer::new(tok.clone(), n.to_string(), 16, metrics.clone())
-                                .serving(i, aliases),
+                                .with_aliases(aliases),
                         ),
                     }
                 })
                 .collect(),
             created: 0,
+            metrics,
+            drift: Arc::default(),
+            cache_bytes: 1 << 20,
         }
     }
 
     #[test]
     fn a_body_picks_its_model_by_name_or_alias_and_an_unknown_one_is_named() {
         let c = catalog(&[("big", &["default"]), ("small", &[])]);
-        assert_eq!(c.pick(br#"{"model": "small", "prompt": "x"}"#).unwrap(), 1);
+        let pick = |b: &[u8]| c.pick(b).map(|m| m.cfg.name.clone());
         assert_eq!(
-            c.pick(br#"{"prompt": "x", "model": "default"}"#).unwrap(),
-            0
+            pick(br#"{"model": "small", "prompt": "x"}"#).unwrap(),
+            "small"
         );
-        let e = c.pick(br#"{"model": "tiny"}"#).unwrap_err();
+        assert_eq!(
+            pick(br#"{"prompt": "x", "model": "default"}"#).unwrap(),
+            "big"
+        );
+        let e = pick(br#"{"model": "tiny"}"#).unwrap_err();
         assert_eq!(e.status, 404);
         let msg = &e.body.error.message;
         assert!(msg.contains("`big`, `default` or `small`"), "{msg}");
         // Not JSON, or no model: the first model's preparer refuses it as usual.
-        assert_eq!(c.pick(b"{not json").unwrap(), 0);
-        assert_eq!(c.pick(br#"{"prompt": "x"}"#).unwrap(), 0);
+        assert_eq!(pick(b"{not json").unwrap(), "big");
+        assert_eq!(pick(br#"{"prompt": "x"}"#).unwrap(), "big");
+    }
+
+    #[tokio::test]
+    async fn a_reload_keeps_the_preparers_of_unchanged_models() {
+        let c = catalog(&[("big", &["default"]), ("small", &[])]);
+        let mut big = c.get(0).cfg.clone();
+        big.max_model_len = Some(4096);
+        let mut small = c.get(1).cfg.clone();
+        small.aliases = vec!["tiny".into()];
+        let next = c.reloaded(&[small, big]).await.unwrap();
+        assert!(Arc::ptr_eq(&next.get(1).preparer, &c.get(0).preparer));
+        assert_eq!(next.get(1).cfg.max_model_len, Some(4096));
+        // A changed alias makes a new preparer (it rewrites the alias), on the same tokenizer.
+        assert!(!Arc::ptr_eq(&next.get(0).preparer, &c.get(1).preparer));
+        assert!(Arc::ptr_eq(
+            &next.get(0).preparer.tokenizer,
+            &c.get(1).preparer.tokenizer
+        ));
+        assert_eq!(next.find("tiny"), Some(0));
     }
 }

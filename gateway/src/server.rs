@@ -132,7 +132,7 @@ pub async fn build_gateway(
         n => n,
     };
     let state = Arc::new(GatewayState {
-        models,
+        models: arc_swap::ArcSwap::from_pointee(models),
         tokenizers: Tokenizers::new(
             PoolLimits {
                 slots: tokenizer_slots,
@@ -191,6 +191,7 @@ pub async fn build_gateway(
             m.index_bytes.set(reg.index.size_bytes() as f64);
             let cache: usize = s
                 .models
+                .load()
                 .all()
                 .iter()
                 .map(|x| x.preparer.cache_stats().bytes)
@@ -312,7 +313,7 @@ fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
                 let _ = s.policies.reload(false);
             }
             let _ = s.keys.reload(false);
-            let _ = s.membership().reload_replicas(false);
+            let _ = s.membership().reload(false).await;
         }
     });
     #[cfg(unix)]
@@ -331,7 +332,7 @@ fn spawn_policy_reloaders(state: &Arc<GatewayState>) {
                             let _ = s.policies.reload(true);
                         }
                         let _ = s.keys.reload(true);
-                        let _ = s.membership().reload_replicas(true);
+                        let _ = s.membership().reload(true).await;
                     }
                 });
             }

@@ -8,6 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+
 use crate::access_log::AccessLog;
 use crate::fleet::client::UpstreamLimits;
 use crate::fleet::discovery::Discovery;
@@ -24,13 +26,15 @@ use crate::request::forward::Forwarder;
 use crate::request::place::Placer;
 use crate::request::prepare::Tokenizers;
 use crate::routes::store::{ActivePolicy, PolicyStore};
+use config::ModelConfig;
 
 /// The context limit used until a replica reports its own.
 pub const FALLBACK_MODEL_LEN: usize = 131_072;
 
 pub struct GatewayState {
-    /// The served models, each with its preparer (parse, tokenise, hash).
-    pub models: Catalog,
+    /// The served models, each with its preparer (parse, tokenise, hash); reloaded with the
+    /// gateway file (`membership.rs`).
+    pub models: ArcSwap<Catalog>,
     /// The prepare stage's bounded tokeniser slots, shared by the models.
     pub tokenizers: Tokenizers,
     /// The request path's questions to the prefix index.
@@ -67,12 +71,10 @@ pub struct GatewayState {
 }
 
 impl GatewayState {
-    /// Longest prompt `model` takes: the gateway file's setting, else the smallest its
-    /// replicas reported, else [`FALLBACK_MODEL_LEN`].
-    pub fn model_limit(&self, active: &ActivePolicy, model: usize) -> usize {
-        self.models
-            .get(model)
-            .max_model_len
+    /// Longest prompt the model at `model` in `active` takes: its entry's setting (`cfg`),
+    /// else the smallest its replicas reported, else [`FALLBACK_MODEL_LEN`].
+    pub fn model_limit(&self, cfg: &ModelConfig, active: &ActivePolicy, model: usize) -> usize {
+        cfg.max_model_len
             .or_else(|| {
                 self.fleet
                     .max_model_len_among(active.model_pool(model))
@@ -138,6 +140,7 @@ impl GatewayState {
             policies: &self.policies,
             gateway_file: self.gateway_file.as_ref(),
             metrics: &self.metrics,
+            models: &self.models,
         }
     }
 }

@@ -189,3 +189,146 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
         [("Qwen3-8B".to_string(), 2), ("Qwen3-mini".to_string(), 1)]
     );
 }
+
+/// The gateway file with `replicas` and one `[[models]]` entry per `(name, replica, tokenizer)`.
+fn gateway_file(replicas: &[&Replica], models: &[(&str, &Replica, &str)]) -> String {
+    let list: Vec<String> = replicas
+        .iter()
+        .map(|r| format!("{:?}", r.host_port()))
+        .collect();
+    let mut text = format!("replicas = [{}]\n", list.join(", "));
+    for (name, r, tok) in models {
+        text.push_str(&format!(
+            "[[models]]\nname = {name:?}\ntokenizer_dir = {tok:?}\nreplicas = [{:?}]\n",
+            r.host_port()
+        ));
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_adds_and_removes_a_model_under_load_and_refuses_a_bad_entry_whole() {
+    let big = start_replica(|c| c.replica_id = "big".into()).await;
+    let small = start_replica(|c| {
+        c.replica_id = "small".into();
+        c.served_model_name = Some("Qwen3-mini".into());
+    })
+    .await;
+    let tok = tokenizer_dir().display().to_string();
+    let path = std::env::temp_dir().join(format!("kvgate-models-{}.toml", std::process::id()));
+    std::fs::write(&path, gateway_file(&[&big], &[("Qwen3-8B", &big, &tok)])).unwrap();
+    let gw = start_gateway(&[&big], |c| {
+        c.model = ModelConfig::default();
+        c.models = vec![model("Qwen3-8B", &[], &[&big])];
+        c.config_path = Some(path.clone());
+    })
+    .await;
+
+    // Load on the first model for the whole test: nothing may fail while models come and go.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Four clients in a loop, so requests are in flight at every reload.
+    let load: Vec<_> = (0..4)
+        .map(|_| {
+            let (client, base, stop) = (gw.client.clone(), gw.base.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let r = client
+                        .post(format!("{base}/v1/chat/completions"))
+                        .json(&chat("Qwen3-8B", "Be brief.", "load"))
+                        .send()
+                        .await
+                        .unwrap();
+                    statuses.push(r.status().as_u16());
+                }
+                statuses
+            })
+        })
+        .collect();
+    let reload = || async {
+        let r = gw
+            .client
+            .post(format!("{}/admin/replicas/reload", gw.admin))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    let ask = |m: &'static str| {
+        let gw = &gw;
+        async move {
+            let r = gw
+                .post("/v1/chat/completions", chat(m, "Be brief.", "hi"))
+                .await;
+            (r.status().as_u16(), header(&r, "x-kvgate-upstream"))
+        }
+    };
+    assert_eq!(ask("Qwen3-mini").await.0, 404);
+
+    // Added: a second model on a new replica, without a restart.
+    std::fs::write(
+        &path,
+        gateway_file(
+            &[&big, &small],
+            &[("Qwen3-8B", &big, &tok), ("Qwen3-mini", &small, &tok)],
+        ),
+    )
+    .unwrap();
+    let (status, body) = reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["models"], json!(["Qwen3-8B", "Qwen3-mini"]));
+    // (The test's gateway was started with faster health checks than the file's: those
+    // sections are named, the models are not.)
+    let restart = body["needs_restart"].as_array().unwrap();
+    assert!(!restart.iter().any(|s| s == "models"), "{body}");
+    gw.wait_admin("/admin/replicas", "the new replica healthy", |v| {
+        v.as_array().is_some_and(|a| {
+            a.iter()
+                .any(|r| r["healthy"] == true && r["model"] == "Qwen3-mini")
+        })
+    })
+    .await;
+    assert_eq!(ask("Qwen3-mini").await, (200, small.host_port()));
+
+    // A bad entry is refused whole: the models in force stay.
+    let mut bad = gateway_file(
+        &[&big, &small],
+        &[("Qwen3-8B", &big, &tok), ("Qwen3-mini", &small, &tok)],
+    );
+    bad.push_str(
+        "[[models]]\nname = \"broken\"\ntokenizer_dir = \"/nonexistent\"\nreplicas = [0]\n",
+    );
+    std::fs::write(&path, bad).unwrap();
+    let (status, body) = reload().await;
+    assert_eq!(status, 400, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("broken") && msg.contains("/nonexistent"),
+        "{msg}"
+    );
+    assert_eq!(ask("Qwen3-mini").await.0, 200);
+    assert_eq!(ask("broken").await.0, 404);
+
+    // Removed, with its replica.
+    std::fs::write(&path, gateway_file(&[&big], &[("Qwen3-8B", &big, &tok)])).unwrap();
+    let (status, body) = reload().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["models"], json!(["Qwen3-8B"]));
+    assert_eq!(ask("Qwen3-mini").await.0, 404);
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut statuses = Vec::new();
+    for l in load {
+        statuses.extend(l.await.unwrap());
+    }
+    assert!(
+        statuses.len() >= 8,
+        "{} requests under load",
+        statuses.len()
+    );
+    assert!(
+        statuses.iter().all(|&s| s == 200),
+        "a request failed while models changed: {statuses:?}"
+    );
+    let _ = std::fs::remove_file(&path);
+}

@@ -1,8 +1,8 @@
 //! What a reload of the gateway file can apply while running, and what it cannot.
 //!
 //! The running gateway re-reads its file on SIGHUP, when the file changes, and on
-//! `POST /admin/replicas/reload`. It applies the replica list, the engines and the discovery
-//! names; every other section is fixed at start. [`GatewayConfig::needs_restart`] names the
+//! `POST /admin/replicas/reload`. It applies the replica list, the engines, the discovery
+//! names and the models (`[model]` / `[[models]]`); every other section is fixed at start. [`GatewayConfig::needs_restart`] names the
 //! sections in which a re-read file differs from the configuration in force, so the operator
 //! hears that an edit was not applied instead of finding out later.
 
@@ -22,8 +22,8 @@ impl GatewayConfig {
     }
 
     /// The sections (as the file names them) in which `next` differs from `self` and that a
-    /// reload does not apply: the replica list, the engines and the discovery names reload;
-    /// everything else needs a restart.
+    /// reload does not apply: the replica list, the engines, the discovery names and the
+    /// models reload; everything else needs a restart.
     pub fn needs_restart(&self, next: &GatewayConfig) -> Vec<&'static str> {
         let mut out = Vec::new();
         // Each section by its field, named as the file names it.
@@ -46,8 +46,6 @@ impl GatewayConfig {
             cost,
             drift,
             session_header,
-            model,
-            models,
             health,
             index,
             upstream,
@@ -89,7 +87,7 @@ mod tests {
         );
         assert_eq!(
             running.needs_restart(&edited),
-            vec!["model", "upstream", "policy_file"]
+            vec!["upstream", "policy_file"]
         );
     }
 }

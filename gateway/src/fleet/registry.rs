@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use config::gateway::{Backend, EngineSpec};
-use config::GatewayConfig;
+use config::{GatewayConfig, ModelConfig};
 use parking_lot::RwLock;
 use policies::{ReplicaSet, ReplicaView};
 
@@ -34,6 +34,9 @@ pub struct Registry {
     engines: RwLock<std::collections::HashMap<String, EngineSpec>>,
     /// Engine tables of discovered addresses.
     discovered_engines: RwLock<std::collections::HashMap<String, EngineSpec>>,
+    /// The served models and the listed replicas their pools name (reloaded with the gateway
+    /// file): which model's name and block size a replica's KV blocks have.
+    served: ArcSwap<(Vec<ModelConfig>, Vec<String>)>,
 }
 
 impl Registry {
@@ -61,10 +64,29 @@ impl Registry {
             replicas: ArcSwap::from_pointee(replicas),
             metrics,
             index,
+            served: ArcSwap::from_pointee((cfg.served_models().to_vec(), cfg.replicas.clone())),
             cfg: cfg.clone(),
             client: FleetClient::new(client, fleet_token),
             epoch: Instant::now(),
         }
+    }
+
+    /// The model `replica` serves (its first, when it serves several): the name its engine's
+    /// block hashes are rooted at, and their block size.
+    pub fn model_of(&self, replica: &str) -> (String, usize) {
+        let served = self.served.load();
+        let m = config::models::model_of(&served.0, &served.1, replica);
+        (m.name.clone(), m.block_size)
+    }
+
+    /// The served models in force.
+    pub fn served_models(&self) -> Vec<ModelConfig> {
+        self.served.load().0.clone()
+    }
+
+    /// Sets the served models and the listed replicas their pools name.
+    pub fn set_served(&self, models: Vec<ModelConfig>, listed: Vec<String>) {
+        self.served.store(Arc::new((models, listed)));
     }
 
     /// Whether `r` is expected to publish KV events: it has a ZMQ endpoint, or it is a kvgate

@@ -51,8 +51,7 @@ impl Registry {
                 replay: spec.as_ref().and_then(|s| s.kv_replay.clone()),
             };
             let (index, rep) = (self.index.clone(), r.clone());
-            let m = self.cfg.model_of(&r.name);
-            let (model, block_size) = (m.name.clone(), m.block_size);
+            let (model, block_size) = self.model_of(&r.name);
             tasks.push(tokio::spawn(async move {
                 let mut translator = HashTranslator::new(&model, block_size);
                 loop {

@@ -47,18 +47,18 @@ async fn served(fleet: &Registry, models: &Catalog) -> Vec<Value> {
     for m in models.all() {
         let card = known
             .iter()
-            .find(|c| c["id"] == m.name.as_str())
+            .find(|c| c["id"] == m.cfg.name.as_str())
             .cloned()
             .unwrap_or_else(|| {
-                json!({"id": m.name, "object": "model", "created": models.created, "owned_by": "kvgate"})
+                json!({"id": m.cfg.name, "object": "model", "created": models.created, "owned_by": "kvgate"})
             });
-        for alias in &m.aliases {
+        for alias in &m.cfg.aliases {
             let mut a = card.clone();
             a["id"] = json!(alias);
-            a["root"] = json!(m.name);
+            a["root"] = json!(m.cfg.name);
             out.push(a);
         }
-        out.insert(out.len() - m.aliases.len(), card);
+        out.insert(out.len() - m.cfg.aliases.len(), card);
     }
     out
 }

@@ -109,7 +109,7 @@ impl ProxyHttp for GatewayProxy {
                 match state.keys.authenticate(&session.req_header().headers) {
                     Ok(_) => (
                         "models",
-                        models::list(session, &state.fleet, &state.models).await,
+                        models::list(session, &state.fleet, &state.models.load()).await,
                     ),
                     Err(e) => {
                         state.metrics.auth_failed("api");
@@ -122,7 +122,7 @@ impl ProxyHttp for GatewayProxy {
                 match state.keys.authenticate(&session.req_header().headers) {
                     Ok(_) => (
                         "models",
-                        models::one(session, &state.fleet, &state.models, &id).await,
+                        models::one(session, &state.fleet, &state.models.load(), &id).await,
                     ),
                     Err(e) => {
                         state.metrics.auth_failed("api");

@@ -69,17 +69,23 @@ pub async fn generate(
         Ok(b) => b,
         Err(e) => return respond_error(session, &e).await,
     };
+    // One policy version and one set of models for the whole request, whatever reloads
+    // meanwhile.
+    let active = state.policies.load();
+    let catalog = state.models.load_full();
     // The model first: its prompt limit, tokenizer and routes depend on it.
-    let model = match state.models.pick(&body) {
-        Ok(m) => m,
+    let (served, model) = match catalog.pick(&body).and_then(|m| {
+        let i = active.model_index(&m.cfg.name);
+        // (A model a reload is adding or removing this instant is in only one of the two.)
+        i.map(|i| (m, i))
+            .ok_or_else(|| catalog.not_found(&m.cfg.name))
+    }) {
+        Ok(x) => x,
         Err(e) => return respond_error(session, &e).await,
     };
-    let served = state.models.get(model);
-    if state.models.all().len() > 1 {
-        rec.model = Some(served.name.clone());
+    if catalog.all().len() > 1 {
+        rec.model = Some(served.cfg.name.clone());
     }
-    // One policy version for the whole request, whatever reloads meanwhile.
-    let active = state.policies.load();
     let caller = Caller {
         session_id: session
             .req_header()
@@ -91,13 +97,13 @@ pub async fn generate(
     };
     let limits = classify::prompt_limits(
         &active,
-        state.model_limit(&active, model),
+        state.model_limit(&served.cfg, &active, model),
         state.max_request_prompt_tokens,
     );
 
     // 1. prepare (waiting for a tokeniser in priority order)
     let rank = priority.rank().clamp(0, 255) as u8;
-    let prepared = match state
+    let mut prepared = match state
         .tokenizers
         .prepare(&served.preparer, endpoint, body, caller, limits, rank)
         .await
@@ -105,6 +111,7 @@ pub async fn generate(
         Ok(p) => p,
         Err(e) => return respond_error(session, &e).await,
     };
+    prepared.model = model;
     rec.prompt_tokens = Some(prepared.prompt_tokens);
     rec.stream = Some(prepared.stream);
 

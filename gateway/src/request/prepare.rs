@@ -36,8 +36,6 @@ pub struct Preparer {
     /// The served model name a request must ask for (or one of its aliases).
     pub model: String,
     aliases: Vec<String>,
-    /// The model's position among the served models (`models.rs`).
-    index: usize,
     pub block_size: usize,
     metrics: Arc<GatewayMetrics>,
     /// Which requests are sampled for the drift checks (`[drift]`; off unless set).
@@ -83,7 +81,6 @@ impl Preparer {
             segments,
             model,
             aliases: Vec::new(),
-            index: 0,
             block_size,
             metrics,
             drift: Arc::default(),
@@ -96,9 +93,8 @@ impl Preparer {
         self
     }
 
-    /// The model's place among the served models and the other names it answers to.
-    pub fn serving(mut self, index: usize, aliases: Vec<String>) -> Self {
-        self.index = index;
+    /// The other names the model answers to (forwarded as its name).
+    pub fn with_aliases(mut self, aliases: Vec<String>) -> Self {
         self.aliases = aliases;
         self
     }
@@ -299,7 +295,7 @@ impl Preparer {
         let root = root_hash(&self.model, None, salt.as_deref());
         let hashes = block_hashes(root, &first, self.block_size);
         Ok(Prepared {
-            model: self.index,
+            model: 0,
             block_size: self.block_size,
             endpoint,
             stream,

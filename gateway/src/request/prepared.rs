@@ -53,7 +53,8 @@ pub struct Caller {
 /// A parsed, tokenised, hashed request ready to route.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    /// The model asked for: its position among the served models (`models.rs`).
+    /// The model asked for: its position among the active policy's models (set by the
+    /// caller, which picked the model; 0 until then).
     pub model: usize,
     /// That model's KV block size in tokens.
     pub block_size: usize,

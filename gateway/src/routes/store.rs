@@ -69,6 +69,11 @@ impl ActivePolicy {
         &self.routes[m * per_model + self.file.classify(prompt_tokens, priority)]
     }
 
+    /// The position of the model named `name` (its canonical name).
+    pub fn model_index(&self, name: &str) -> Option<usize> {
+        self.models.iter().position(|(n, _)| n == name)
+    }
+
     /// The replica slots serving `model`.
     pub fn model_pool(&self, model: usize) -> &[usize] {
         self.models.get(model).map_or(&[], |(_, p)| p.as_slice())
@@ -106,8 +111,8 @@ pub struct PolicyStore {
     /// The listed replicas, in the gateway file's order, with their registry slots: pools
     /// name replicas by `host:port` or list index, routes hold slots.
     replicas: Mutex<Vec<(usize, String)>>,
-    /// The served models, in the gateway file's order.
-    models: Vec<ModelScope>,
+    /// The served models, in the gateway file's order (reloaded with the gateway file).
+    models: Mutex<Vec<ModelScope>>,
     metrics: Arc<GatewayMetrics>,
     runtimes: Mutex<HashMap<String, Arc<RouteRuntime>>>,
     last_error: Mutex<Option<ReloadError>>,
@@ -150,7 +155,7 @@ impl PolicyStore {
             active: ArcSwap::from_pointee(active),
             path,
             replicas: Mutex::new(replicas),
-            models,
+            models: Mutex::new(models),
             metrics,
             runtimes,
             last_error: Mutex::new(None),
@@ -174,9 +179,16 @@ impl PolicyStore {
     /// Whether the active policy and the models' pools still hold with `names` as the replica
     /// list (a pool may name a replica the new list drops).
     pub fn check_replicas(&self, names: &[String]) -> Result<(), ConfigError> {
+        let models = self.models.lock().clone();
+        self.check_fleet(names, &models)
+    }
+
+    /// Whether the active policy holds with `names` as the replica list and `models` (their
+    /// pools naming replicas of `names`) as the served models.
+    pub fn check_fleet(&self, names: &[String], models: &[ModelScope]) -> Result<(), ConfigError> {
         self.load().file.validate(names)?;
         let mut v = config::error::Validator::new();
-        for m in &self.models {
+        for m in models {
             for e in &m.pool {
                 let known = match e {
                     PoolEntry::Index(x) => *x < names.len(),
@@ -196,16 +208,28 @@ impl PolicyStore {
     /// Rebuilds the active policy over a new replica list (checked with
     /// [`PolicyStore::check_replicas`] first).
     pub fn set_replicas(&self, listed: Vec<(usize, String)>) {
+        self.set_fleet(listed, None);
+    }
+
+    /// Rebuilds the active policy over a new replica list and, when given, new served models
+    /// (checked with [`PolicyStore::check_fleet`] first). The routes of a model that stays
+    /// keep their runtimes; a removed model's drain.
+    pub fn set_fleet(&self, listed: Vec<(usize, String)>, models: Option<Vec<ModelScope>>) {
         let active = self.load();
+        let mut scopes = self.models.lock();
+        if let Some(m) = models {
+            *scopes = m;
+        }
         let next = build(
             active.file.clone(),
             active.version.clone(),
             active.generation + 1,
             &listed,
-            &self.models,
+            &scopes,
             &self.metrics,
             &self.runtimes,
         );
+        drop(scopes);
         *self.replicas.lock() = listed;
         self.metrics.policy_generation.set(next.generation as f64);
         self.active.store(Arc::new(next));
@@ -292,7 +316,7 @@ impl PolicyStore {
             version,
             generation,
             &self.replicas.lock(),
-            &self.models,
+            &self.models.lock(),
             &self.metrics,
             &self.runtimes,
         );
