@@ -21,6 +21,13 @@ const TIMER_BUCKETS: [f64; 22] = [
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// One served model's prompt-token counters ([`GatewayMetrics::model_tokens`]).
+#[derive(Clone)]
+pub struct ModelTokens {
+    pub prompt: Counter,
+    pub predicted_hit: Counter,
+}
+
 pub struct ReplicaMetrics {
     pub healthy: Gauge,
     pub prompt_tokens: Counter,
@@ -314,6 +321,24 @@ impl GatewayMetrics {
     ) -> Counter {
         self.recorder
             .register_counter(&Self::route_key(name, route, extra), &META)
+    }
+
+    /// A model's prompt-token counters: tokens routed, and those the prefix index expected
+    /// cached where they went (the per-model hit ratio; `model` is a served model's name, so
+    /// the label is bounded by the gateway file).
+    pub fn model_tokens(&self, model: &str) -> ModelTokens {
+        let key = |name: &'static str| {
+            Key::from_parts(name, vec![Label::new("model", model.to_string())])
+        };
+        ModelTokens {
+            prompt: self
+                .recorder
+                .register_counter(&key("kvgate_gateway_model_prompt_tokens_total"), &META),
+            predicted_hit: self.recorder.register_counter(
+                &key("kvgate_gateway_model_predicted_hit_tokens_total"),
+                &META,
+            ),
+        }
     }
 
     /// A gauge labelled with a route and fixed, bounded labels.

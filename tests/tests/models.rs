@@ -171,6 +171,31 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
         .unwrap();
     assert_eq!(gone.status(), 404);
 
+    // The hit ratio per model: its prompt tokens, and those expected cached (the shared
+    // system prompt's second request on Qwen3-8B).
+    let text = gw.metrics_text().await;
+    let series = |name: &str, model: &str| -> f64 {
+        let head = format!("{name}{{model=\"{model}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&head)?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(series("kvgate_gateway_model_prompt_tokens_total", "Qwen3-mini") > 0.0);
+    assert!(series("kvgate_gateway_model_prompt_tokens_total", "Qwen3-8B") > 0.0);
+    assert!(
+        series(
+            "kvgate_gateway_model_predicted_hit_tokens_total",
+            "Qwen3-8B"
+        ) >= 32.0
+    );
+    assert_eq!(
+        series(
+            "kvgate_gateway_model_predicted_hit_tokens_total",
+            "Qwen3-mini"
+        ),
+        0.0
+    );
+
     // Each model has its own runtime of every route, over the replicas serving it.
     let policy = gw.admin_json("/admin/policy").await;
     let routes: Vec<(String, usize)> = policy["routes"]

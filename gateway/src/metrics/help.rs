@@ -22,6 +22,14 @@ const COUNTERS: &[(&str, &str)] = &[
         "Prompt tokens the prefix index expected cached at the chosen replica, by replica",
     ),
     (
+        "kvgate_gateway_model_prompt_tokens_total",
+        "Prompt tokens routed, by served model",
+    ),
+    (
+        "kvgate_gateway_model_predicted_hit_tokens_total",
+        "Prompt tokens the prefix index expected cached at the chosen replica, by served model",
+    ),
+    (
         "kvgate_gateway_retries_total",
         "Requests re-sent to another replica",
     ),

@@ -304,10 +304,11 @@ impl Forwarder<'_> {
         self.prefix
             .speculate(d.replica, p.blocks(), self.fleet.now_s());
         self.metrics.decision(route.policy.name(), d.reason.label());
+        let hit = (d.matched_blocks * p.block_size) as u64;
         r.metrics().prompt_tokens.increment(p.prompt_tokens as u64);
-        r.metrics()
-            .predicted_hit_tokens
-            .increment((d.matched_blocks * p.block_size) as u64);
+        r.metrics().predicted_hit_tokens.increment(hit);
+        route.model_tokens.prompt.increment(p.prompt_tokens as u64);
+        route.model_tokens.predicted_hit.increment(hit);
     }
 
     /// Sends an admitted request, retrying before the first byte, and hands the answer to the

@@ -27,7 +27,7 @@ use protocol::slo::Slo;
 use protocol::time::unix_now;
 use serde_json::{json, Value};
 
-use crate::metrics::GatewayMetrics;
+use crate::metrics::{GatewayMetrics, ModelTokens};
 use crate::routes::model_scope::ModelScope;
 use crate::routes::runtime::RouteRuntime;
 
@@ -36,6 +36,8 @@ pub struct ActiveRoute {
     pub cfg: RouteConfig,
     /// The model's position among the served models.
     pub model: usize,
+    /// The model's prompt and predicted-hit token counters.
+    pub model_tokens: ModelTokens,
     pub policy: Box<dyn RoutingPolicy>,
     /// Replica slots of the pool.
     pub pool: Vec<usize>,
@@ -451,6 +453,7 @@ fn build(
     let mut served = Vec::with_capacity(models.len());
     for (m, scope) in models.iter().enumerate() {
         let serving = scope.resolve(&names);
+        let model_tokens = metrics.model_tokens(&scope.name);
         for (i, cfg) in file.routes.iter().enumerate() {
             let key = runtime_key(models, &scope.name, &cfg.name);
             let rt = rts
@@ -475,6 +478,7 @@ fn build(
             routes.push(ActiveRoute {
                 policy: policies::build(cfg.policy.as_ref().unwrap_or(&file.policy)),
                 model: m,
+                model_tokens: model_tokens.clone(),
                 pool,
                 slo: Slo::from_ms(cfg.slo.ttft_ms, cfg.slo.itl_ms),
                 cfg: cfg.clone(),
