@@ -523,6 +523,7 @@ impl GatewayConfig {
             .map_err(|e: toml::de::Error| ConfigError::Parse(e.to_string()))?;
         c.engines = engines;
         c.normalize_replicas();
+        c.resolve_adapters();
         c.validate()?;
         Ok(c)
     }

@@ -14,7 +14,15 @@
 //! name = "SmolLM2-135M-Instruct"
 //! tokenizer_dir = "models/smollm2"
 //! replicas = [2]
+//! [[models]]
+//! name = "sql-adapter"             # a LoRA adapter the engines serve under this name
+//! base = "Qwen3-8B"
 //! ```
+//!
+//! An entry with `base` is a LoRA adapter of that model: its prompts are hashed from the
+//! base's root with the adapter's name (as the engines key its KV blocks), so its prefix
+//! affinity is its own; it takes the base's tokenizer and block size, and its replicas,
+//! context limit and tokenizer default to the base's.
 
 use serde::Deserialize;
 
@@ -44,9 +52,13 @@ pub struct ModelConfig {
     #[serde(default)]
     pub max_model_len: Option<usize>,
     /// The replicas serving this model: `host:port` as listed in `replicas`, or an index into
-    /// that list. Empty: every replica (discovered ones included).
+    /// that list. Empty: every replica (discovered ones included); an adapter: its base's.
     #[serde(default)]
     pub replicas: Vec<PoolEntry>,
+    /// This entry is a LoRA adapter of the model named here (another entry); `name` is the
+    /// adapter's name on the engines.
+    #[serde(default)]
+    pub base: Option<String>,
 }
 
 impl Default for ModelConfig {
@@ -58,6 +70,7 @@ impl Default for ModelConfig {
             block_size: default_block_size(),
             max_model_len: None,
             replicas: Vec::new(),
+            base: None,
         }
     }
 }
@@ -87,9 +100,9 @@ impl ModelConfig {
 }
 
 /// The model of `models` whose KV blocks `replica` (of the `listed` replicas) holds: the first
-/// one it serves (validation keeps a shared replica's models at one block size), else the
-/// first model. Its name roots, and its block size cuts, the hashes of the replica's engine
-/// events.
+/// base model it serves (validation keeps a shared replica's models at one block size; its
+/// adapters' blocks are rooted at it), else the first model. Its name roots, and its block
+/// size cuts, the hashes of the replica's engine events.
 pub fn model_of<'a>(
     models: &'a [ModelConfig],
     listed: &[String],
@@ -97,11 +110,37 @@ pub fn model_of<'a>(
 ) -> &'a ModelConfig {
     models
         .iter()
-        .find(|m| m.serves(replica, listed))
+        .find(|m| m.base.is_none() && m.serves(replica, listed))
+        .or_else(|| models.iter().find(|m| m.serves(replica, listed)))
         .unwrap_or(&models[0])
 }
 
 impl GatewayConfig {
+    /// Fills each LoRA adapter's tokenizer, block size, context limit and replicas from its
+    /// base where the entry leaves them out (the block size always: one engine, one size).
+    pub fn resolve_adapters(&mut self) {
+        let bases = self.models.clone();
+        for m in &mut self.models {
+            let Some(b) = m
+                .base
+                .as_ref()
+                .and_then(|b| bases.iter().find(|x| &x.name == b))
+            else {
+                continue;
+            };
+            m.block_size = b.block_size;
+            if m.tokenizer_dir.is_none() {
+                m.tokenizer_dir.clone_from(&b.tokenizer_dir);
+            }
+            if m.max_model_len.is_none() {
+                m.max_model_len = b.max_model_len;
+            }
+            if m.replicas.is_empty() {
+                m.replicas.clone_from(&b.replicas);
+            }
+        }
+    }
+
     /// The models this gateway serves: the `[[models]]` list, or the one `[model]`.
     pub fn served_models(&self) -> &[ModelConfig] {
         if self.models.is_empty() {
@@ -167,6 +206,15 @@ impl GatewayConfig {
                 0,
                 "must be at least 1 (omit it to learn it from the replicas)",
             );
+            if let Some(b) = &m.base {
+                let base = models.iter().find(|x| &x.name == b);
+                v.check(
+                    base.is_some_and(|x| x.base.is_none() && x.name != m.name),
+                    &field(i, "base"),
+                    format!("{b:?}"),
+                    "must name another [[models]] entry that is not an adapter itself",
+                );
+            }
             for (j, e) in m.replicas.iter().enumerate() {
                 let known = match e {
                     PoolEntry::Index(x) => *x < self.replicas.len(),
@@ -203,11 +251,17 @@ impl GatewayConfig {
                 .engines
                 .iter()
                 .any(|e| e.addr == *r && e.kv_events.is_some());
+            let mut families: Vec<&str> = serving
+                .iter()
+                .map(|m| m.base.as_deref().unwrap_or(&m.name))
+                .collect();
+            families.sort_unstable();
+            families.dedup();
             v.check(
-                !zmq || serving.len() <= 1,
+                !zmq || families.len() <= 1,
                 &format!("replicas[{k}]"),
                 format!("{r:?}"),
-                "publishes ZMQ KV events, which carry no model name, so it can serve one model only",
+                "publishes ZMQ KV events, which carry no model name, so it can serve one model (and its LoRA adapters) only",
             );
         }
     }
@@ -241,6 +295,31 @@ mod tests {
     }
 
     #[test]
+    fn an_adapter_takes_its_bases_tokenizer_block_size_and_replicas() {
+        let c = GatewayConfig::from_toml(
+            "replicas = [\"a:1\", \"b:1\"]\n\
+             [[models]]\nname = \"base\"\nblock_size = 32\ntokenizer_dir = \"t\"\nreplicas = [1]\n\
+             [[models]]\nname = \"sql\"\nbase = \"base\"\n\
+             [[models]]\nname = \"other\"\nreplicas = [0]\n",
+        )
+        .unwrap();
+        let sql = &c.served_models()[1];
+        assert_eq!(sql.block_size, 32);
+        assert_eq!(sql.tokenizer_dir.as_deref(), Some("t"));
+        assert!(sql.serves("b:1", &c.replicas) && !sql.serves("a:1", &c.replicas));
+        // The replica's events are rooted at the base, not the adapter.
+        assert_eq!(c.model_of("b:1").name, "base");
+        let e = err(
+            "replicas = [\"a:1\"]\n[[models]]\nname = \"x\"\nbase = \"x\"\n\
+             [[models]]\nname = \"y\"\nbase = \"nothing\"\n",
+        );
+        assert!(
+            e.contains("models[0].base") && e.contains("models[1].base"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn models_are_refused_with_every_problem_named() {
         let e = err("replicas = [\"a:1\", \"b:1\", \"c:1\"]\n\
              [[models]]\nname = \"big\"\naliases = [\"x\"]\nreplicas = [\"a:1\", 7]\n\
@@ -258,6 +337,6 @@ mod tests {
             "replicas = [{ addr = \"a:1\", backend = \"vllm\", kv_events = \"tcp://a:5557\" }]\n\
              [[models]]\nname = \"m\"\n[[models]]\nname = \"n\"\n",
         );
-        assert!(zmq.contains("one model only"), "{zmq}");
+        assert!(zmq.contains("can serve one model"), "{zmq}");
     }
 }

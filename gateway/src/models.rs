@@ -54,6 +54,7 @@ struct ModelField<'a> {
 /// Whether a preparer made for `a` serves `b` as well (what it hashes and rewrites with).
 fn same_preparer(a: &ModelConfig, b: &ModelConfig) -> bool {
     a.name == b.name
+        && a.base == b.base
         && a.aliases == b.aliases
         && a.tokenizer_dir == b.tokenizer_dir
         && a.block_size == b.block_size
@@ -130,7 +131,8 @@ impl Catalog {
                 self.cache_bytes,
             )
             .with_drift(self.drift.clone())
-            .with_aliases(m.aliases.clone());
+            .with_aliases(m.aliases.clone())
+            .with_base(m.base.clone());
             report_chunking(&m.name, &preparer);
             out.push(ServedModel {
                 cfg: m.clone(),

@@ -88,6 +88,7 @@ pub async fn build_gateway(
         discovery.record(name, resolve(name, Duration::from_secs(5)).await);
     }
     cfg.replicas = discovery.fleet();
+    cfg.resolve_adapters();
     if cfg.replicas.is_empty() {
         return Err(GatewayError::NoReplicas(cfg.discovery.dns.join(", ")));
     }

@@ -26,6 +26,9 @@ pub enum KvEvent {
         block_size: u32,
         lora_id: Option<u64>,
         medium: Option<String>,
+        /// The LoRA adapter's name (vLLM ≥ 0.11 publishes it beside the deprecated numeric
+        /// id, which differs between engines): the key of the adapter's blocks.
+        lora_name: Option<String>,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
@@ -76,15 +79,23 @@ impl KvEvent {
                 block_size,
                 lora_id,
                 medium,
-            } => Value::Array(vec![
-                Value::from("BlockStored"),
-                hashes_value(block_hashes),
-                opt_u64(*parent_block_hash),
-                Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
-                Value::from(*block_size),
-                opt_u64(*lora_id),
-                opt_str(medium),
-            ]),
+                lora_name,
+            } => {
+                let mut fields = vec![
+                    Value::from("BlockStored"),
+                    hashes_value(block_hashes),
+                    opt_u64(*parent_block_hash),
+                    Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+                    Value::from(*block_size),
+                    opt_u64(*lora_id),
+                    opt_str(medium),
+                ];
+                // Left out when absent, as engines before the field send it.
+                if lora_name.is_some() {
+                    fields.push(opt_str(lora_name));
+                }
+                Value::Array(fields)
+            }
             KvEvent::BlockRemoved {
                 block_hashes,
                 medium,
@@ -132,6 +143,7 @@ impl KvEvent {
                     .ok_or(KvEventError::Shape("block_size is not an integer"))?,
                 lora_id: field(5).as_u64(),
                 medium: field(6).as_str().map(str::to_string),
+                lora_name: field(7).as_str().map(str::to_string),
             }),
             "BlockRemoved" => Ok(KvEvent::BlockRemoved {
                 block_hashes: decode_hashes(field(1))?,
@@ -160,6 +172,7 @@ impl KvEvent {
                 "block_size",
                 "lora_id",
                 "medium",
+                "lora_name",
             ],
             "BlockRemoved" => &["block_hashes", "medium"],
             "AllBlocksCleared" => &[],

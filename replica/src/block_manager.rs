@@ -259,6 +259,7 @@ impl BlockPool {
             block_size: self.block_size as u32,
             lora_id: None,
             medium: Some("GPU".into()),
+            lora_name: None,
         });
     }
 

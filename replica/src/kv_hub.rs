@@ -156,6 +156,7 @@ impl KvEventHub {
                 block_size: self.block_size,
                 lora_id: None,
                 medium: Some("GPU".into()),
+                lora_name: None,
             });
         }
         let frame = frame(m.seq, events);
@@ -184,6 +185,7 @@ mod tests {
             block_size: 4,
             lora_id: None,
             medium: None,
+            lora_name: None,
         }
     }
 

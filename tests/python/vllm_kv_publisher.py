@@ -78,6 +78,7 @@ def build(ev, BlockStored, BlockRemoved, AllBlocksCleared):
             block_size=ev["block_size"],
             lora_id=ev.get("lora_id"),
             medium=ev.get("medium"),
+            lora_name=ev.get("lora_name"),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=[as_hash(h) for h in ev["block_hashes"]], medium=ev.get("medium"))

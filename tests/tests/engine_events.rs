@@ -433,3 +433,121 @@ async fn kvgate_replicas_over_zmq_index_like_over_http() {
         "{v}"
     );
 }
+
+/// A LoRA adapter served as a model of its own (`[[models]]` with `base`): the engine's events
+/// for the adapter's blocks (named by `lora_name`, as vLLM publishes them) credit prompts for
+/// the adapter — routed to the engine that holds them, the adapter's name forwarded as sent —
+/// and never the base model's prompts with the same text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_adapters_blocks_credit_the_adapter_and_never_its_base() {
+    let engines = [
+        FakeReplica::start(FakeMode::Stream { tokens: 2 }).await,
+        FakeReplica::start(FakeMode::Stream { tokens: 2 }).await,
+    ];
+    let prompt = "You are the SQL assistant for the warehouse team. Answer with one query, \
+                  explain each join in a comment, and never touch the staging schema. Question: \
+                  which customers ordered twice last week, and which of them paid by invoice \
+                  rather than by card, grouped by region and sorted by total spend?";
+    let tok = protocol::tokenizer::TextTokenizer::from_dir(&common::tokenizer_dir()).unwrap();
+    let ids = tok.encode(prompt, true).unwrap();
+    assert!(ids.len() > 48, "{} tokens", ids.len());
+    // Engine 1 has the adapter's first three blocks cached.
+    let stream = std::env::temp_dir().join(format!("kvgate-lora-{}.json", std::process::id()));
+    let stored = json!({"type": "BlockStored", "block_hashes": [7001, 7002, 7003],
+        "parent_block_hash": null, "token_ids": ids[..48], "block_size": 16,
+        "lora_id": 1, "medium": "GPU", "lora_name": "sql-adapter"});
+    std::fs::write(
+        &stream,
+        json!({"block_size": 16, "batches": [[stored]]}).to_string(),
+    )
+    .unwrap();
+    let (pub_ep, replay_ep) = (
+        format!("tcp://127.0.0.1:{}", free_port()),
+        format!("tcp://127.0.0.1:{}", free_port()),
+    );
+    let mut publisher = Publisher::start(&pub_ep, &replay_ep, &stream, &[]);
+    let addrs: Vec<String> = engines.iter().map(|e| e.addr.clone()).collect();
+    let gw = start_gateway_at(&addrs, |c| {
+        c.engines = vec![
+            config::gateway::EngineSpec {
+                addr: addrs[1].clone(),
+                backend: config::gateway::Backend::Vllm,
+                kv_events: Some(pub_ep.clone()),
+                kv_replay: Some(replay_ep.clone()),
+            },
+            config::gateway::EngineSpec {
+                addr: addrs[0].clone(),
+                backend: config::gateway::Backend::Vllm,
+                kv_events: None,
+                kv_replay: None,
+            },
+        ];
+        c.index.kv_events = true;
+        let tok = c.model.tokenizer_dir.clone();
+        c.model = config::ModelConfig::default();
+        c.models = vec![
+            config::ModelConfig {
+                name: "Qwen3-8B".into(),
+                tokenizer_dir: tok,
+                ..config::ModelConfig::default()
+            },
+            config::ModelConfig {
+                name: "sql-adapter".into(),
+                base: Some("Qwen3-8B".into()),
+                ..config::ModelConfig::default()
+            },
+        ];
+        c.resolve_adapters();
+    })
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !replicas(&gw).await[1]["kv_events"]
+        .as_bool()
+        .unwrap_or(false)
+    {
+        assert!(Instant::now() < deadline, "events never live");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publisher.go();
+    let matched = |model: &'static str| {
+        let gw = &gw;
+        async move {
+            let e = gw
+                .explain(&json!({"model": model, "prompt": prompt, "max_tokens": 1}))
+                .await;
+            e["replicas"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{e}"))
+                .iter()
+                .map(|r| r["matched_blocks"].as_u64().unwrap())
+                .collect::<Vec<_>>()
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while matched("sql-adapter").await != [0, 3] {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            matched("sql-adapter").await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The base model's prompt with the same text matches nothing.
+    assert_eq!(matched("Qwen3-8B").await, [0, 0]);
+    // The adapter's request goes to the engine holding its blocks, named as sent.
+    let r = gw
+        .post(
+            "/v1/completions",
+            json!({"model": "sql-adapter", "prompt": prompt, "max_tokens": 2, "stream": true}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-kvgate-upstream"].to_str().unwrap(),
+        engines[1].addr
+    );
+    assert_eq!(r.headers()["x-kvgate-route-reason"], "prefix_match");
+    let _ = r.text().await;
+    assert_eq!(engines[1].bodies()[0]["model"], "sql-adapter");
+    let _ = std::fs::remove_file(&stream);
+}

@@ -4,8 +4,11 @@
 //! to its own, so `BlockRemoved` and later parents find the block whatever the engine's hash
 //! function. The translated events are what the prefix index applies.
 //!
-//! - A block's root: the model's root hash, or, for a LoRA adapter (`lora_id`), a root of its
-//!   own — adapters do not share KV, so their blocks never match a base-model prompt.
+//! - A block's root: the model's root hash, or, for a LoRA adapter, the root of the base model
+//!   with the adapter's name (`lora_name`) — what the gateway hashes a prompt for that adapter
+//!   with (a `[[models]]` entry with `base`), so adapters' blocks match their own prompts and
+//!   never a base-model prompt. An engine that sends only the numeric `lora_id` (it differs
+//!   between engines) gets a root no prompt matches.
 //! - Blocks reported with another `medium` (vLLM's CPU offload tier) keep their medium: the
 //!   index holds them in its offload tier, priced between a GPU hit and a miss. Dropping a block
 //!   from the offload tier keeps its mapping (its GPU copy, or blocks chained on it, may live).
@@ -94,10 +97,14 @@ impl HashTranslator {
         self.order.clear();
     }
 
-    fn root(&self, lora_id: Option<u64>) -> u64 {
-        match lora_id {
-            None => root_hash(&self.model, None, None),
-            Some(id) => root_hash(&self.model, Some(&format!("engine-lora-id:{id}")), None),
+    fn root(&self, lora_id: Option<u64>, lora_name: Option<&str>) -> u64 {
+        match (lora_name, lora_id) {
+            // The adapter's name, as the gateway roots prompts for a model entry with `base`.
+            (Some(name), _) => root_hash(&self.model, Some(name), None),
+            (None, None) => root_hash(&self.model, None, None),
+            // An engine that publishes only the numeric id (which differs between engines):
+            // a root of its own, which no prompt matches.
+            (None, Some(id)) => root_hash(&self.model, Some(&format!("engine-lora-id:{id}")), None),
         }
     }
 
@@ -111,6 +118,7 @@ impl HashTranslator {
                 block_size,
                 lora_id,
                 medium,
+                lora_name,
             } => {
                 if *block_size as usize != self.block_size {
                     return Err(TranslateError::BlockSize {
@@ -127,7 +135,7 @@ impl HashTranslator {
                     });
                 }
                 let mut parent = match parent_block_hash {
-                    None => self.root(*lora_id),
+                    None => self.root(*lora_id, lora_name.as_deref()),
                     Some(p) => match self.map.get(p) {
                         Some(&(ours, _)) => ours,
                         None => {
@@ -161,6 +169,7 @@ impl HashTranslator {
                     } else {
                         medium.clone()
                     },
+                    lora_name: lora_name.clone(),
                 }))
             }
             KvEvent::BlockRemoved {
@@ -208,6 +217,7 @@ mod tests {
             block_size: 4,
             lora_id: None,
             medium: Some("GPU".into()),
+            lora_name: None,
         }
     }
 
@@ -284,6 +294,20 @@ mod tests {
         let base = block_hash(root_hash("m", None, None), &[5; 4]);
         match t.translate(&lora).unwrap().unwrap() {
             KvEvent::BlockStored { block_hashes, .. } => assert_ne!(block_hashes, vec![base]),
+            e => panic!("{e:?}"),
+        }
+        // Named, the adapter's blocks hash from the base's root with the adapter's name: what
+        // the gateway hashes a prompt for that adapter with.
+        let mut named = stored(vec![20], None, vec![5; 4]);
+        if let KvEvent::BlockStored {
+            lora_id, lora_name, ..
+        } = &mut named
+        {
+            (*lora_id, *lora_name) = (Some(3), Some("sql".into()));
+        }
+        let adapter = block_hash(root_hash("m", Some("sql"), None), &[5; 4]);
+        match t.translate(&named).unwrap().unwrap() {
+            KvEvent::BlockStored { block_hashes, .. } => assert_eq!(block_hashes, vec![adapter]),
             e => panic!("{e:?}"),
         }
         // Offloaded blocks keep their medium (the index's offload tier).

@@ -36,6 +36,9 @@ pub struct Preparer {
     /// The served model name a request must ask for (or one of its aliases).
     pub model: String,
     aliases: Vec<String>,
+    /// For a LoRA adapter: its base model, whose root its blocks hash from (with the
+    /// adapter's name, as the engines key them).
+    base: Option<String>,
     pub block_size: usize,
     metrics: Arc<GatewayMetrics>,
     /// Which requests are sampled for the drift checks (`[drift]`; off unless set).
@@ -81,6 +84,7 @@ impl Preparer {
             segments,
             model,
             aliases: Vec::new(),
+            base: None,
             block_size,
             metrics,
             drift: Arc::default(),
@@ -90,6 +94,13 @@ impl Preparer {
     /// Samples requests for the drift checks as `drift` says.
     pub fn with_drift(mut self, drift: Arc<DriftSampler>) -> Self {
         self.drift = drift;
+        self
+    }
+
+    /// Makes this the preparer of a LoRA adapter of `base` (this model's name is the
+    /// adapter's).
+    pub fn with_base(mut self, base: Option<String>) -> Self {
+        self.base = base;
         self
     }
 
@@ -292,7 +303,10 @@ impl Preparer {
             _ => serde_json::Map::new(),
         };
         let tokenize_seconds = started.elapsed().as_secs_f64();
-        let root = root_hash(&self.model, None, salt.as_deref());
+        let root = match &self.base {
+            None => root_hash(&self.model, None, salt.as_deref()),
+            Some(base) => root_hash(base, Some(&self.model), salt.as_deref()),
+        };
         let hashes = block_hashes(root, &first, self.block_size);
         Ok(Prepared {
             model: 0,

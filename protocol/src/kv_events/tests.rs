@@ -11,6 +11,17 @@ fn sample() -> KvEventBatch {
                 block_size: 16,
                 lora_id: None,
                 medium: None,
+                lora_name: None,
+            },
+            // A LoRA adapter's block, named as vLLM names it beside the numeric id.
+            KvEvent::BlockStored {
+                block_hashes: vec![2],
+                parent_block_hash: Some(1),
+                token_ids: vec![6; 16],
+                block_size: 16,
+                lora_id: Some(1),
+                medium: Some("GPU".into()),
+                lora_name: Some("sql-adapter".into()),
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![7],

@@ -8,6 +8,7 @@ fn stored(hashes: &[u64]) -> KvEvent {
         block_size: 16,
         lora_id: None,
         medium: None,
+        lora_name: None,
     }
 }
 
@@ -43,6 +44,7 @@ fn the_offload_tier_extends_a_match_apart_from_the_gpu_run() {
         block_size: 16,
         lora_id: None,
         medium: Some(medium.into()),
+        lora_name: None,
     };
     let h = [1, 2, 3, 4, 5];
     // Nothing offloaded anywhere: no lookups, zeros.
