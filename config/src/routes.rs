@@ -122,6 +122,11 @@ pub struct RouteConfig {
     /// Rule: the request's `x-kvgate-priority` class.
     #[serde(default)]
     pub priority: Option<Priority>,
+    /// The served models this route is for (their names in the gateway file; empty: every
+    /// model). Each model's routes are the file's routes for it, in order, and the last of
+    /// them must have no other rule.
+    #[serde(default)]
+    pub models: Vec<String>,
     /// Replicas this route may use (empty: all). Pools may overlap.
     #[serde(default)]
     pub pool: Vec<PoolEntry>,
@@ -167,6 +172,7 @@ impl RouteConfig {
             name: name.into(),
             min_prompt_tokens: None,
             priority: None,
+            models: Vec::new(),
             pool: Vec::new(),
             policy: None,
             max_concurrency: None,
@@ -200,6 +206,18 @@ impl RouteConfig {
 
     fn has_rules(&self) -> bool {
         self.min_prompt_tokens.is_some() || self.priority.is_some()
+    }
+
+    /// Whether the route is for requests to `model`.
+    pub fn applies_to(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+
+    /// Whether this route and `o` can take requests to the same model.
+    fn shares_a_model(&self, o: &RouteConfig) -> bool {
+        self.models.is_empty()
+            || o.models.is_empty()
+            || self.models.iter().any(|m| o.models.contains(m))
     }
 }
 
@@ -338,6 +356,33 @@ impl PolicyFile {
             .map_or(tenant, String::as_str)
     }
 
+    /// Whether the routes fit the served `models`: each model has routes and the last of them
+    /// has no rule but `models` (so every request to it has a route), and every model a route
+    /// names is served.
+    pub fn check_models(&self, models: &[&str]) -> Result<(), ConfigError> {
+        let mut v = Validator::new();
+        for m in models {
+            let last = self.routes.iter().rev().find(|r| r.applies_to(m));
+            v.check(
+                last.is_some_and(|r| !r.has_rules()),
+                "routes",
+                format!("{m:?}"),
+                "this model's last route must have no rules (min_prompt_tokens, priority) so every request to it has a route",
+            );
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            for name in &r.models {
+                v.check(
+                    models.contains(&name.as_str()),
+                    &format!("routes[{i}].models"),
+                    format!("{name:?}"),
+                    &format!("not a served model (served: {})", models.join(", ")),
+                );
+            }
+        }
+        v.finish()
+    }
+
     /// The route a request takes (validation guarantees one matches).
     pub fn classify(&self, prompt_tokens: usize, priority: Priority) -> usize {
         self.routes
@@ -426,10 +471,12 @@ impl PolicyFile {
                 "must be 1-64 letters, digits, '_' or '-'",
             );
             v.check(
-                !self.routes[..i].iter().any(|o| o.name == r.name),
+                !self.routes[..i]
+                    .iter()
+                    .any(|o| o.name == r.name && o.shares_a_model(r)),
                 &f("name"),
                 format!("{:?}", r.name),
-                "route names must be unique",
+                "route names must be unique (among the routes of one model)",
             );
             for (j, e) in r.pool.iter().enumerate() {
                 let known = match e {

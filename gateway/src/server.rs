@@ -247,6 +247,7 @@ fn load_policy(
             .clone()
             .unwrap_or_else(|| PolicyFile::single(cfg.policy.clone()));
         file.validate(&cfg.replicas)
+            .and_then(|()| file.check_models(&served_names(cfg)))
             .map_err(|e| GatewayError::Policy("(embedded)".into(), e.to_string()))?;
         return Ok(PolicyStore::new(
             file,
@@ -260,6 +261,7 @@ fn load_policy(
     let text = std::fs::read_to_string(path)
         .map_err(|e| GatewayError::Policy(path.clone(), e.to_string()))?;
     let file = PolicyFile::from_toml(&text, &cfg.replicas)
+        .and_then(|f| f.check_models(&served_names(cfg)).map(|()| f))
         .map_err(|e| GatewayError::Policy(path.clone(), e.to_string()))?;
     Ok(PolicyStore::new(
         file,
@@ -269,6 +271,14 @@ fn load_policy(
         scopes(cfg),
         metrics.clone(),
     ))
+}
+
+/// The served models' names, as a policy file's `models` rules name them.
+fn served_names(cfg: &GatewayConfig) -> Vec<&str> {
+    cfg.served_models()
+        .iter()
+        .map(|m| m.name.as_str())
+        .collect()
 }
 
 /// The served models as the policy store scopes routes to them.

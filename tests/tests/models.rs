@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{exact_hit_signals, start_gateway, start_replica, tokenizer_dir, Replica};
+use common::{start_gateway, start_replica, tokenizer_dir, Replica};
 use config::routes::PoolEntry;
 use config::ModelConfig;
 use serde_json::{json, Value};
@@ -59,7 +59,11 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
     let gw = start_gateway(&[&big[0], &big[1], &small], |c| {
         c.model = ModelConfig::default();
         c.models = vec![model("Qwen3-8B", &["default"], &[&big[0], &big[1]]), mini];
-        exact_hit_signals(c);
+        // A route of its own for the small model (first for it), the catch-all for both.
+        let routes = "hit_signals = \"exact\"\n[policy]\nkind = \"prefix_aware\"\n\
+                      [[routes]]\nname = \"small\"\nmodels = [\"Qwen3-mini\"]\n\
+                      [[routes]]\nname = \"default\"\n";
+        c.embedded_policy = Some(config::PolicyFile::from_toml(routes, &c.replicas).unwrap());
     })
     .await;
 
@@ -78,10 +82,17 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
                 )
                 .await;
             let upstream = header(&r, "x-kvgate-upstream");
+            let route = header(&r, "x-kvgate-route");
             if r.status() != 200 {
                 panic!("{asked}: {} {:?}", r.status(), r.text().await);
             }
             assert!(pool.contains(&upstream), "{asked} went to {upstream}");
+            let want = if asked == "Qwen3-mini" {
+                "small"
+            } else {
+                "default"
+            };
+            assert_eq!(route, want, "{asked}");
             let v: Value = r.json().await.unwrap();
             let served = if asked == "Qwen3-mini" {
                 asked
@@ -198,20 +209,26 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
 
     // Each model has its own runtime of every route, over the replicas serving it.
     let policy = gw.admin_json("/admin/policy").await;
-    let routes: Vec<(String, usize)> = policy["routes"]
+    let routes: Vec<String> = policy["routes"]
         .as_array()
         .unwrap()
         .iter()
         .map(|r| {
-            (
-                r["model"].as_str().unwrap().to_string(),
-                r["pool"].as_array().unwrap().len(),
+            format!(
+                "{} {} {}",
+                r["model"].as_str().unwrap(),
+                r["name"].as_str().unwrap(),
+                r["pool"].as_array().unwrap().len()
             )
         })
         .collect();
     assert_eq!(
         routes,
-        [("Qwen3-8B".to_string(), 2), ("Qwen3-mini".to_string(), 1)]
+        [
+            "Qwen3-8B default 2",
+            "Qwen3-mini small 1",
+            "Qwen3-mini default 1"
+        ]
     );
 }
 

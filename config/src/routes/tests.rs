@@ -148,3 +148,52 @@ priority = "batch"
     )
     .is_err());
 }
+
+#[test]
+fn routes_for_one_model_need_a_catch_all_for_it_and_name_served_models() {
+    let f = PolicyFile::from_toml(
+        r#"
+[[routes]]
+name = "interactive"
+models = ["small"]
+slo = { ttft_ms = 15000 }
+
+[[routes]]
+name = "interactive"
+models = ["big"]
+slo = { ttft_ms = 1000 }
+"#,
+        &replicas(),
+    )
+    .unwrap();
+    // The same name twice is fine when no model has both; each model has its catch-all (and
+    // a model the file names in no route has none).
+    f.check_models(&["big", "small"]).unwrap();
+    let e = f.check_models(&["big"]).unwrap_err().to_string();
+    assert!(
+        e.contains("routes[0].models") && e.contains("not a served model"),
+        "{e}"
+    );
+    let e = f
+        .check_models(&["big", "small", "third"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"third\""), "{e}");
+    let only_small = PolicyFile::from_toml(
+        "[[routes]]\nname = \"a\"\nmodels = [\"small\"]\n",
+        &replicas(),
+    )
+    .unwrap();
+    let e = only_small
+        .check_models(&["big", "small"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"big\"") && e.contains("last route"), "{e}");
+    let twice = PolicyFile::from_toml(
+        "[[routes]]\nname = \"a\"\nmodels = [\"small\"]\n[[routes]]\nname = \"a\"\n",
+        &replicas(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(twice.contains("must be unique"), "{twice}");
+}

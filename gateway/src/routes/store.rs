@@ -20,14 +20,15 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use config::routes::PoolEntry;
-use config::{ConfigError, PolicyConfig, PolicyFile, RouteConfig};
+use config::{ConfigError, PolicyFile, RouteConfig};
 use parking_lot::Mutex;
 use policies::RoutingPolicy;
 use protocol::slo::Slo;
 use protocol::time::unix_now;
-use serde_json::{json, Value};
 
 use crate::metrics::{GatewayMetrics, ModelTokens};
+
+mod describe;
 use crate::routes::model_scope::ModelScope;
 use crate::routes::runtime::RouteRuntime;
 
@@ -52,8 +53,10 @@ pub struct ActivePolicy {
     /// 1 for the first accepted file, +1 per accepted reload.
     pub generation: u64,
     pub loaded_at_unix: u64,
-    /// The file's routes once per served model, model by model.
+    /// The file's routes for each served model (those whose `models` rule takes it), model
+    /// by model; `spans` says where each model's run starts and how long it is.
     pub routes: Vec<ActiveRoute>,
+    spans: Vec<(usize, usize)>,
     /// Per served model: its name and the replica slots serving it.
     pub models: Vec<(String, Vec<usize>)>,
 }
@@ -66,9 +69,16 @@ impl ActivePolicy {
         prompt_tokens: usize,
         priority: config::Priority,
     ) -> &ActiveRoute {
-        let per_model = self.file.routes.len();
-        let m = model.min(self.models.len().saturating_sub(1));
-        &self.routes[m * per_model + self.file.classify(prompt_tokens, priority)]
+        let m = model.min(self.spans.len().saturating_sub(1));
+        let (start, len) = match self.spans.get(m) {
+            Some(&(s, n)) if n > 0 => (s, n),
+            _ => (0, self.routes.len()),
+        };
+        let run = &self.routes[start..start + len];
+        // (`check_models` keeps a catch-all last in every model's run.)
+        run.iter()
+            .find(|r| r.cfg.matches(prompt_tokens, priority))
+            .unwrap_or(&run[len - 1])
     }
 
     /// The position of the model named `name` (its canonical name).
@@ -188,7 +198,9 @@ impl PolicyStore {
     /// Whether the active policy holds with `names` as the replica list and `models` (their
     /// pools naming replicas of `names`) as the served models.
     pub fn check_fleet(&self, names: &[String], models: &[ModelScope]) -> Result<(), ConfigError> {
-        self.load().file.validate(names)?;
+        let file = &self.load().file;
+        file.validate(names)?;
+        file.check_models(&scope_names(models))?;
         let mut v = config::error::Validator::new();
         for m in models {
             for e in &m.pool {
@@ -276,7 +288,11 @@ impl PolicyStore {
             return Ok(false);
         }
         let names = self.names();
-        let file = match PolicyFile::from_toml(&text, &names) {
+        let scopes = self.models.lock().clone();
+        let served = scope_names(&scopes);
+        let file = match PolicyFile::from_toml(&text, &names)
+            .and_then(|f| f.check_models(&served).map(|()| f))
+        {
             Ok(f) => f,
             Err(e) => {
                 let fields = match &e {
@@ -353,73 +369,11 @@ impl PolicyStore {
         self.metrics.policy_reload(false);
         e
     }
-
-    /// `GET /admin/policy`.
-    pub fn describe(&self, replica_names: &[String]) -> Value {
-        let a = self.load();
-        let routes: Vec<Value> = a
-            .routes
-            .iter()
-            .map(|r| {
-                let ms = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
-                json!({
-                    "name": r.cfg.name,
-                    "model": a.models.get(r.model).map(|(n, _)| n.clone()),
-                    "rules": {
-                        "min_prompt_tokens": r.cfg.min_prompt_tokens,
-                        "priority": r.cfg.priority.map(|p| p.label()),
-                    },
-                    "pool": r.pool.iter().map(|&i| replica_names[i].clone()).collect::<Vec<_>>(),
-                    "policy": r.policy.name(),
-                    "policy_knobs": knobs(r.cfg.policy.as_ref().unwrap_or(&a.file.policy)),
-                    "admission": r.cfg.admission,
-                    "max_concurrency": r.cfg.max_concurrency,
-                    "max_prompt_tokens_in_flight": r.cfg.max_prompt_tokens_in_flight,
-                    "max_prompt_tokens": r.cfg.max_prompt_tokens,
-                    "engine_priority": r.cfg.engine_priority,
-                    "stream_idle_timeout_ms": r.cfg.stream_idle_timeout().as_millis() as u64,
-                    "queue_size": r.cfg.queue_size,
-                    "queue_timeout_ms": r.cfg.queue_timeout_ms,
-                    "slo": {"ttft_ms": ms(r.slo.ttft), "itl_ms": ms(r.slo.itl)},
-                    "in_flight": r.rt.in_flight(),
-                    "in_flight_prompt_tokens": r.rt.in_flight_tokens(),
-                    "queued": r.rt.queue.len(),
-                    "goodput_ratio": r.rt.stats.tick(r.rt.now_s()),
-                })
-            })
-            .collect();
-        let err = self.last_error.lock().clone();
-        json!({
-            "version": a.version,
-            "generation": a.generation,
-            "loaded_at_unix": a.loaded_at_unix,
-            "source": self.path.as_ref().map(|p| p.display().to_string()),
-            "kv_high_water": a.file.kv_high_water,
-            "preemption_holdoff_ms": a.file.preemption_holdoff_ms,
-            "admission_headroom": a.file.admission_headroom,
-            "prefix_in_flight_wait_ms": a.file.prefix_in_flight_wait_ms,
-            "hit_signals": format!("{:?}", a.file.hit_signals).to_lowercase(),
-            "cache_groups": a.file.cache_groups,
-            "default_policy": a.file.policy.kind(),
-            "default_policy_knobs": knobs(&a.file.policy),
-            "routes": routes,
-            "last_error": err.map(|e| json!({
-                "at_unix": e.at_unix,
-                "message": e.message,
-                "fields": e.fields.iter().map(|f| json!({"field": f.field, "value": f.value, "reason": f.reason})).collect::<Vec<_>>(),
-            })),
-        })
-    }
 }
 
-/// A policy's every parameter as in force — the file's values with the defaults filled in, and
-/// `prefix_aware`'s count guard as it applies under its cost — for `GET /admin/policy`.
-fn knobs(p: &PolicyConfig) -> Value {
-    let mut v = serde_json::to_value(p).unwrap_or_default();
-    if let (PolicyConfig::PrefixAware(c), Some(o)) = (p, v.as_object_mut()) {
-        o.insert("balance_abs_threshold".into(), json!(c.abs_threshold()));
-    }
-    v
+/// The served models' names, as the policy file's `models` rules name them.
+fn scope_names(models: &[ModelScope]) -> Vec<&str> {
+    models.iter().map(|m| m.name.as_str()).collect()
 }
 
 /// The runtime key of route `route` of model `model`: the route's name when one model is
@@ -451,10 +405,16 @@ fn build(
     let mut rts = runtimes.lock();
     let mut routes = Vec::with_capacity(models.len() * file.routes.len());
     let mut served = Vec::with_capacity(models.len());
+    let mut spans = Vec::with_capacity(models.len());
     for (m, scope) in models.iter().enumerate() {
         let serving = scope.resolve(&names);
         let model_tokens = metrics.model_tokens(&scope.name);
+        let start = routes.len();
         for (i, cfg) in file.routes.iter().enumerate() {
+            // (The unnamed fallback scope takes every route.)
+            if !scope.name.is_empty() && !cfg.applies_to(&scope.name) {
+                continue;
+            }
             let key = runtime_key(models, &scope.name, &cfg.name);
             let rt = rts
                 .entry(key.clone())
@@ -485,6 +445,7 @@ fn build(
                 rt,
             });
         }
+        spans.push((start, routes.len() - start));
         served.push((
             scope.name.clone(),
             serving.into_iter().map(|k| replicas[k].0).collect(),
@@ -496,6 +457,7 @@ fn build(
         generation,
         loaded_at_unix: unix_now(),
         routes,
+        spans,
         models: served,
     }
 }
