@@ -141,7 +141,7 @@ pub async fn serve_gateway(
     let admin = tokio::net::TcpListener::bind(&cfg.admin_listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.admin_listen))?;
-    let model = cfg.served_models()[0].name.clone();
+    let models: Vec<String> = cfg.served_models().iter().map(|m| m.name.clone()).collect();
     let server = gateway::build_gateway(cfg, listener, admin).await?;
     let (addr, admin_addr) = (server.local_addr(), server.admin_addr());
     let registry = server.state().fleet.clone();
@@ -178,11 +178,21 @@ pub async fn serve_gateway(
             ready["kv_events_expected"],
         );
     }
-    println!();
-    println!("  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
-    println!(
-        "    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":32}}'"
-    );
+    if models.len() > 1 {
+        println!(
+            "  models: {} (a request's \"model\" picks one)",
+            models.join(", ")
+        );
+    }
+    for model in &models {
+        println!();
+        println!(
+            "  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\"
+        );
+        println!(
+            "    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":32}}'"
+        );
+    }
     println!();
     server.run(shutdown).await;
     Ok(())

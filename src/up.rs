@@ -14,7 +14,7 @@ use replica::profiles::ModelProfile;
 use crate::gateway_cmd::serve_gateway;
 use crate::signals::shutdown_signal;
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub(crate) struct UpArgs {
     /// Replica backend: sim (4 simulated replicas), cpu (2 replicas of a real model, the
     /// machine's cores split between them), cuda (1 replica of a real model; with --replicas
@@ -53,6 +53,10 @@ pub(crate) struct UpArgs {
     /// Extra flags for every replica, e.g. --replica-arg=--time-scale=0.1
     #[arg(long = "replica-arg", allow_hyphen_values = true)]
     replica_args: Vec<String>,
+    /// A second model beside the sim fleet's: `cpu` adds one replica of the real SmolLM2 on
+    /// this CPU (its own routes with CPU promises); a request's `model` picks the fleet.
+    #[arg(long)]
+    also: Option<String>,
 }
 
 /// The default real model for the cpu backend, relative to the checkout.
@@ -163,7 +167,7 @@ async fn start_replicas(
         }
         let tokenizer = &fleet.tokenizer;
         cmd.arg("--replica-id")
-            .arg(format!("replica-{i}"))
+            .arg(format!("{}-{i}", fleet.id_prefix))
             .arg("--tokenizer")
             .arg(tokenizer)
             .arg("--exit-with-stdin")
@@ -187,16 +191,19 @@ async fn start_replicas(
         let addr = loop {
             let line = tokio::time::timeout(std::time::Duration::from_secs(300), lines.next_line())
                 .await
-                .with_context(|| format!("replica-{i} did not start within 300 s"))??
+                .with_context(|| format!("{}-{i} did not start within 300 s", fleet.id_prefix))??
                 .ok_or_else(|| {
-                    anyhow!("replica-{i} exited before it was ready (see its log above)")
+                    anyhow!(
+                        "{}-{i} exited before it was ready (see its log above)",
+                        fleet.id_prefix
+                    )
                 })?;
             if let Some((_, url)) = line.split_once(" at http://") {
                 break url.trim().to_string();
             }
         };
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        println!("replica-{i} at http://{addr}");
+        println!("{}-{i} at http://{addr}", fleet.id_prefix);
         out.push((child, addr));
     }
     Ok(out)
@@ -205,6 +212,8 @@ async fn start_replicas(
 /// What `kvgate up` starts.
 struct Fleet {
     backend: &'static str,
+    /// Replica ids are `{id_prefix}-{i}`.
+    id_prefix: &'static str,
     replicas: usize,
     model: String,
     tokenizer: PathBuf,
@@ -236,6 +245,7 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
             let model = a.model.clone().unwrap_or_else(|| "qwen3-8b".into());
             Ok(Fleet {
                 backend: "sim",
+                id_prefix: "replica",
                 replicas,
                 served_model_name: served_model_name(&model),
                 model,
@@ -280,6 +290,7 @@ fn plan_fleet(a: &UpArgs) -> Result<Fleet> {
                 .unwrap_or_else(|| "model".into());
             Ok(Fleet {
                 backend: if cuda { "cuda" } else { "cpu" },
+                id_prefix: "replica",
                 replicas,
                 model: model.display().to_string(),
                 tokenizer,
@@ -375,27 +386,41 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
         return run_up_vllm(a).await;
     }
     let fleet = plan_fleet(&a)?;
+    let also = plan_also(&a)?;
     let tokenizer = fleet.tokenizer.clone();
     let policy = check_policy_args(&a, fleet.replicas)?;
     let fleet_token = random_token()?;
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
-    let children = tokio::select! {
-        r = start_replicas(&a, &fleet, &fleet_token) => r?,
+    let started = async {
+        let mut children = start_replicas(&a, &fleet, &fleet_token).await?;
+        let first = children.len();
+        if let Some((args, second)) = &also {
+            children.extend(start_replicas(args, second, &fleet_token).await?);
+        }
+        anyhow::Ok((children, first))
+    };
+    let (children, first) = tokio::select! {
+        r = started => r?,
         _ = &mut shutdown => {
             println!("interrupted while starting replicas; stopping them");
             return Ok(());
         }
     };
-    let mut cfg = config::GatewayConfig::with_replicas(
-        children.iter().map(|(_, addr)| addr.clone()).collect(),
-    );
+    let addrs: Vec<String> = children.iter().map(|(_, addr)| addr.clone()).collect();
+    let mut cfg = config::GatewayConfig::with_replicas(addrs.clone());
     cfg.listen = format!("127.0.0.1:{}", a.port);
     cfg.admin_listen = format!("127.0.0.1:{}", a.admin_port);
     cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
     cfg.model.name = fleet.served_model_name.clone();
     cfg.auth.fleet_token = Some(fleet_token);
-    apply_policy(&a, policy, &mut cfg, fleet.embedded_policy, |_| {})?;
+    match &also {
+        None => apply_policy(&a, policy, &mut cfg, fleet.embedded_policy, |_| {})?,
+        Some((_, second)) => {
+            two_models(&mut cfg, &addrs[..first], &addrs[first..], second);
+            apply_two_policies(&a, policy, &mut cfg, &fleet, second)?;
+        }
+    }
     cfg.validate()?;
     let n = children.len();
     let result = serve_gateway(cfg, shutdown, n).await;
@@ -465,6 +490,71 @@ async fn run_up_vllm(a: UpArgs) -> Result<()> {
 }
 
 /// The name a replica serves for a profile (what clients must send as `model`).
+/// `--also cpu`: the second fleet's plan (one replica of the default real model on the CPU).
+fn plan_also(a: &UpArgs) -> Result<Option<(UpArgs, Fleet)>> {
+    let Some(also) = &a.also else {
+        return Ok(None);
+    };
+    if also != "cpu" {
+        bail!("--also takes `cpu` (one replica of the real SmolLM2 beside the sim fleet), got `{also}`");
+    }
+    if a.backend != "sim" {
+        bail!("--also cpu goes beside the sim fleet (--backend sim)");
+    }
+    let mut args = a.clone();
+    args.backend = "cpu".into();
+    args.replicas = Some(1);
+    args.model = None;
+    args.tokenizer = None;
+    args.replica_args = Vec::new();
+    let mut fleet = plan_fleet(&args)?;
+    fleet.id_prefix = "cpu-replica";
+    Ok(Some((args, fleet)))
+}
+
+/// The gateway file's two models: the first fleet's over `first`, the second's over `second`.
+fn two_models(cfg: &mut config::GatewayConfig, first: &[String], second: &[String], f2: &Fleet) {
+    let pool = |addrs: &[String]| {
+        addrs
+            .iter()
+            .map(|a| config::routes::PoolEntry::Name(a.clone()))
+            .collect()
+    };
+    let mut one = std::mem::take(&mut cfg.model);
+    one.replicas = pool(first);
+    let two = config::ModelConfig {
+        name: f2.served_model_name.clone(),
+        tokenizer_dir: Some(f2.tokenizer.display().to_string()),
+        replicas: pool(second),
+        ..config::ModelConfig::default()
+    };
+    cfg.models = vec![one, two];
+}
+
+/// Two models' routes in one policy: the first fleet's embedded routes for its model, the
+/// CPU's (with CPU promises) for the second, the first file's fleet-wide knobs. A
+/// `--policy-file` is used as given (its routes must fit both models).
+fn apply_two_policies(
+    a: &UpArgs,
+    policy: Option<config::PolicyConfig>,
+    cfg: &mut config::GatewayConfig,
+    f1: &Fleet,
+    f2: &Fleet,
+) -> Result<()> {
+    let (n1, n2) = (f1.served_model_name.clone(), f2.served_model_name.clone());
+    let second = config::PolicyFile::from_toml(f2.embedded_policy, &cfg.replicas)
+        .context("the embedded CPU policy file is invalid")?;
+    apply_policy(a, policy, cfg, f1.embedded_policy, |file| {
+        for r in &mut file.routes {
+            r.models = vec![n1.clone()];
+        }
+        file.routes.extend(second.routes.into_iter().map(|mut r| {
+            r.models = vec![n2.clone()];
+            r
+        }));
+    })
+}
+
 fn served_model_name(profile: &str) -> String {
     ModelProfile::resolve(profile)
         .map(|p| p.name)

@@ -374,3 +374,47 @@ async fn a_reload_adds_and_removes_a_model_under_load_and_refuses_a_bad_entry_wh
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// `kvgate up --also cpu`: the sim fleet's model and the real SmolLM2 on the CPU behind one
+/// gateway, each request answered by its own model's replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_up_also_cpu_serves_the_sim_model_and_the_real_one() {
+    let (mut child, url) =
+        common::start_kvgate_up(&["--replicas", "2", "--also", "cpu"], &[]).await;
+    let client = reqwest::Client::new();
+    let list: Value = client
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["Qwen3-8B", "SmolLM2-135M-Instruct.Q4_1"]);
+    for id in ids {
+        let r = client
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"model": id, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "The capital of France is"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{id}");
+        let replica = header(&r, "x-kvgate-replica");
+        let want = if id == "Qwen3-8B" {
+            "replica-"
+        } else {
+            "cpu-replica-"
+        };
+        assert!(replica.starts_with(want), "{id} answered by {replica}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["model"], id);
+    }
+    let _ = child.kill().await;
+}
