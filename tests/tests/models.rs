@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{start_gateway, start_replica, tokenizer_dir, Replica};
+use common::{
+    start_gateway, start_gateway_at, start_replica, tokenizer_dir, FakeMode, FakeReplica, Replica,
+};
 use config::routes::PoolEntry;
 use config::ModelConfig;
 use serde_json::{json, Value};
@@ -417,4 +419,71 @@ async fn kvgate_up_also_cpu_serves_the_sim_model_and_the_real_one() {
         assert_eq!(v["model"], id);
     }
     let _ = child.kill().await;
+}
+
+/// Two base models sharing a replica (engines that serve several, such as vLLM with several
+/// models loaded): each model's requests stay on the replicas serving it, and the shared
+/// replica's cache credits each model only with its own prompts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_sharing_a_replica_keep_their_pools_and_their_prefixes_apart() {
+    let engines = [
+        FakeReplica::start(FakeMode::Stream { tokens: 2 }).await,
+        FakeReplica::start(FakeMode::Stream { tokens: 2 }).await,
+    ];
+    let addrs: Vec<String> = engines.iter().map(|e| e.addr.clone()).collect();
+    let entry = |name: &str, pool: &[&String]| ModelConfig {
+        name: name.into(),
+        tokenizer_dir: Some(tokenizer_dir().display().to_string()),
+        replicas: pool.iter().map(|a| PoolEntry::Name((*a).clone())).collect(),
+        ..ModelConfig::default()
+    };
+    let gw = start_gateway_at(&addrs, |c| {
+        c.model = ModelConfig::default();
+        c.models = vec![
+            entry("chat", &[&addrs[0], &addrs[1]]),
+            entry("code", &[&addrs[1]]),
+        ];
+    })
+    .await;
+    let body = |model: &str, i: usize| {
+        json!({"model": model, "stream": true, "max_tokens": 2,
+               "prompt": format!("{SYSTEM} Ticket {i}: the invoice total is wrong.")})
+    };
+    for i in 0..6 {
+        for model in ["chat", "code"] {
+            let r = gw.post("/v1/completions", body(model, i)).await;
+            assert_eq!(r.status(), 200);
+            let upstream = header(&r, "x-kvgate-upstream");
+            if model == "code" {
+                assert_eq!(upstream, addrs[1], "code must stay on its replica");
+            }
+            let _ = r.text().await;
+        }
+    }
+    // Both models' bodies reached the shared replica with their own names.
+    let names: std::collections::HashSet<String> = engines[1]
+        .bodies()
+        .iter()
+        .map(|b| b["model"].as_str().unwrap().to_string())
+        .collect();
+    assert!(names.contains("code"), "{names:?}");
+    assert!(engines[0].bodies().iter().all(|b| b["model"] == "chat"));
+    // The prefix the shared replica holds for one model is no hit for the other: a new
+    // prompt sent for `chat` only matches for `chat`.
+    let fresh = |model: &str| {
+        json!({"model": model, "max_tokens": 1,
+               "prompt": "Only the chat model was ever asked this: summarise the quarterly \
+                          report in three bullet points, then list the open risks and the owner \
+                          of each, and end with the next review date."})
+    };
+    let mut sent = fresh("chat");
+    sent["stream"] = json!(true);
+    let r = gw.post("/v1/completions", sent).await;
+    assert_eq!(r.status(), 200);
+    let home = header(&r, "x-kvgate-upstream");
+    let _ = r.text().await;
+    let slot = addrs.iter().position(|a| *a == home).unwrap();
+    let matched = |e: &Value| e["replicas"][slot]["matched_blocks"].as_u64().unwrap();
+    assert!(matched(&gw.explain(&fresh("chat")).await) > 0);
+    assert_eq!(matched(&gw.explain(&fresh("code")).await), 0);
 }
