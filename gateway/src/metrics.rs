@@ -306,8 +306,16 @@ impl GatewayMetrics {
             .increment(1);
     }
 
+    /// A route's series: labelled `route`, and `model` too when the gateway serves several
+    /// (their runtimes are keyed `model/route`; a route's own name has no `/`).
     fn route_key(name: &'static str, route: &str, extra: &[(&'static str, &'static str)]) -> Key {
-        let mut labels = vec![Label::new("route", route.to_string())];
+        let mut labels = match route.rsplit_once('/') {
+            Some((model, route)) => vec![
+                Label::new("route", route.to_string()),
+                Label::new("model", model.to_string()),
+            ],
+            None => vec![Label::new("route", route.to_string())],
+        };
         labels.extend(extra.iter().map(|(k, v)| Label::new(*k, *v)));
         Key::from_parts(name, labels)
     }

@@ -209,6 +209,15 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
         0.0
     );
 
+    // Route series carry the model beside the route.
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("kvgate_gateway_route_requests_total{")
+                && l.contains("route=\"small\"")
+                && l.contains("model=\"Qwen3-mini\"")),
+        "{text}"
+    );
+
     // Each model has its own runtime of every route, over the replicas serving it.
     let policy = gw.admin_json("/admin/policy").await;
     let routes: Vec<String> = policy["routes"]
