@@ -119,6 +119,25 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
     assert_eq!(header(&second, "x-kvgate-upstream"), home);
     assert_eq!(header(&second, "x-kvgate-route-reason"), "prefix_match");
 
+    // Explain names the model an alias stands for, and its route.
+    let e = gw.explain(&chat("default", SYSTEM, "third")).await;
+    assert_eq!(
+        (e["model"].as_str(), e["route"].as_str()),
+        (Some("Qwen3-8B"), Some("default"))
+    );
+    let e = gw.explain(&chat("Qwen3-mini", "Be brief.", "q")).await;
+    assert_eq!(
+        (e["model"].as_str(), e["route"].as_str()),
+        (Some("Qwen3-mini"), Some("small"))
+    );
+    assert!(
+        e["route_matched_because"]
+            .as_str()
+            .unwrap()
+            .contains("models"),
+        "{e}"
+    );
+
     // Each model's own prompt limit: the system prompt is over Qwen3-mini's 40 tokens.
     let long = gw
         .post("/v1/chat/completions", chat("Qwen3-mini", SYSTEM, "q"))

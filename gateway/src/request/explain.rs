@@ -20,6 +20,12 @@ fn matched_because(route: &ActiveRoute, prompt_tokens: usize) -> String {
     if let Some(p) = route.cfg.priority {
         rules.push(format!("the x-kvgate-priority header is {}", p.label()));
     }
+    if !route.cfg.models.is_empty() {
+        rules.push(format!(
+            "the model is one of models = {:?}",
+            route.cfg.models
+        ));
+    }
     if rules.is_empty() {
         "no earlier route matched and this route has no rules (catch-all)".into()
     } else {
@@ -143,6 +149,7 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
         (_, None) => json!(null),
     };
     json!({
+        "model": a.models.get(route.model).map(|(name, _)| name.as_str()),
         "route": route.cfg.name,
         "route_matched_because": matched_because(route, p.prompt_tokens),
         "slo": {
