@@ -71,7 +71,13 @@ fn check_gateway(path: &std::path::Path) -> Result<()> {
     match &cfg.policy_file {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {p}"))?;
+            let served: Vec<&str> = cfg
+                .served_models()
+                .iter()
+                .map(|m| m.name.as_str())
+                .collect();
             let f = config::PolicyFile::from_toml(&text, &cfg.replicas)
+                .and_then(|f| f.check_models(&served).map(|()| f))
                 .with_context(|| format!("invalid policy file {p}"))?;
             let names: Vec<&str> = f.routes.iter().map(|r| r.name.as_str()).collect();
             println!("{p}: ok (routes: {})", names.join(", "));

@@ -417,6 +417,13 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
     match &also {
         None => apply_policy(&a, policy, &mut cfg, fleet.embedded_policy, |_| {})?,
         Some((_, second)) => {
+            if a.policy_file.is_some() {
+                println!(
+                    "note: --policy-file's routes apply to both models, with the same promises; \
+                     a route with models = [\"{}\"] is that model's alone (README, \"Several models\")",
+                    second.served_model_name
+                );
+            }
             two_models(&mut cfg, &addrs[..first], &addrs[first..], second);
             apply_two_policies(&a, policy, &mut cfg, &fleet, second)?;
         }

@@ -215,6 +215,13 @@ impl GatewayConfig {
                     "must name another [[models]] entry that is not an adapter itself",
                 );
             }
+            let bases = models.iter().filter(|x| x.base.is_none()).count();
+            v.check(
+                bases <= 1 || m.base.is_some() || !m.replicas.is_empty(),
+                &field(i, "replicas"),
+                "[]",
+                "with several models, each must list the replicas serving it (left out, every replica would be taken to serve it)",
+            );
             for (j, e) in m.replicas.iter().enumerate() {
                 let known = match e {
                     PoolEntry::Index(x) => *x < self.replicas.len(),
@@ -331,6 +338,12 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("different block sizes"), "{e}");
+        let unlisted =
+            err("replicas = [\"a:1\"]\n[[models]]\nname = \"m\"\n[[models]]\nname = \"n\"\n");
+        assert!(
+            unlisted.contains("models[0].replicas") && unlisted.contains("each must list"),
+            "{unlisted}"
+        );
         let both = err("replicas = [\"a:1\"]\n[model]\nname = \"m\"\n[[models]]\nname = \"n\"\n");
         assert!(both.contains("not both"), "{both}");
         let zmq = err(

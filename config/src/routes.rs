@@ -208,6 +208,12 @@ impl RouteConfig {
         self.min_prompt_tokens.is_some() || self.priority.is_some()
     }
 
+    /// Whether every request that reaches this route (of a model it applies to) takes it: it
+    /// has no rule but `models`. The routes after it never see that model's requests.
+    pub fn takes_every_request(&self) -> bool {
+        !self.has_rules()
+    }
+
     /// Whether the route is for requests to `model`.
     pub fn applies_to(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
@@ -356,18 +362,19 @@ impl PolicyFile {
             .map_or(tenant, String::as_str)
     }
 
-    /// Whether the routes fit the served `models`: each model has routes and the last of them
-    /// has no rule but `models` (so every request to it has a route), and every model a route
-    /// names is served.
+    /// Whether the routes fit the served `models`: each model has a route with no rule but
+    /// `models` (so every request to it has a route: its routes end at the first such one),
+    /// and every model a route names is served (by its name; aliases are not names here).
     pub fn check_models(&self, models: &[&str]) -> Result<(), ConfigError> {
         let mut v = Validator::new();
         for m in models {
-            let last = self.routes.iter().rev().find(|r| r.applies_to(m));
             v.check(
-                last.is_some_and(|r| !r.has_rules()),
+                self.routes
+                    .iter()
+                    .any(|r| r.applies_to(m) && r.takes_every_request()),
                 "routes",
                 format!("{m:?}"),
-                "this model's last route must have no rules (min_prompt_tokens, priority) so every request to it has a route",
+                "this model has no route without rules (min_prompt_tokens, priority), so some of its requests would have no route; add a catch-all for it",
             );
         }
         for (i, r) in self.routes.iter().enumerate() {

@@ -46,7 +46,7 @@ pub enum MembershipError {
     File { path: String, source: ConfigError },
     #[error("{0}")]
     List(ConfigError),
-    #[error("the active policy does not fit the new replica list: {0}")]
+    #[error("the active policy does not fit the new replica list or models: {0} (to remove a model the policy file names, take it out of the policy file first, then out of the gateway file)")]
     Policy(ConfigError),
     #[error("{0}; the models in force stay")]
     Models(ModelLoadError),

@@ -254,11 +254,8 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
         .collect();
     assert_eq!(
         routes,
-        [
-            "Qwen3-8B default 2",
-            "Qwen3-mini small 1",
-            "Qwen3-mini default 1"
-        ]
+        // (Qwen3-mini's routes end at its own catch-all: the shared one never sees it.)
+        ["Qwen3-8B default 2", "Qwen3-mini small 1"]
     );
 }
 

@@ -188,7 +188,7 @@ slo = { ttft_ms = 1000 }
         .check_models(&["big", "small"])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("\"big\"") && e.contains("last route"), "{e}");
+    assert!(e.contains("\"big\"") && e.contains("catch-all"), "{e}");
     let twice = PolicyFile::from_toml(
         "[[routes]]\nname = \"a\"\nmodels = [\"small\"]\n[[routes]]\nname = \"a\"\n",
         &replicas(),

@@ -268,7 +268,7 @@ impl PolicyStore {
         let Some(path) = &self.path else {
             return Err(ReloadError {
                 at_unix: unix_now(),
-                message: "the policy is inline in the gateway file; set policy_file to reload it"
+                message: "the policy is not read from a file (the gateway file's [policy], or kvgate up's embedded policy): set policy_file in the gateway file, or pass --policy-file to kvgate up, to reload it"
                     .into(),
                 fields: Vec::new(),
             });
@@ -414,6 +414,14 @@ fn build(
             // (The unnamed fallback scope takes every route.)
             if !scope.name.is_empty() && !cfg.applies_to(&scope.name) {
                 continue;
+            }
+            // A model's routes end at its first catch-all: later ones never see its requests.
+            if routes[start..]
+                .last()
+                .is_some_and(|r: &ActiveRoute| r.cfg.takes_every_request())
+            {
+                tracing::debug!(model = %scope.name, route = %cfg.name, "route never reached for this model (a catch-all comes first)");
+                break;
             }
             let key = runtime_key(models, &scope.name, &cfg.name);
             let rt = rts
