@@ -230,12 +230,7 @@ pub async fn admin_handle(
                     };
                     let active = state.policies.load();
                     let catalog = state.models.load_full();
-                    let picked = catalog.pick(&body).and_then(|m| {
-                        let i = active.model_index(&m.cfg.name);
-                        i.map(|i| (m, i))
-                            .ok_or_else(|| catalog.not_found(&m.cfg.name))
-                    });
-                    let (served, model) = match picked {
+                    let (served, model) = match catalog.pick_in(&body, |n| active.model_index(n)) {
                         Ok(x) => x,
                         Err(e) => return Ok(json(e.status, e.to_json())),
                     };

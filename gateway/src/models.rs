@@ -188,6 +188,20 @@ impl Catalog {
         }
     }
 
+    /// The model a body asks for ([`Catalog::pick`]) and its position among the active
+    /// policy's models, which `index` finds by name. A model a reload is adding or removing
+    /// this instant is in only one of the two: a 404, as for a name nobody serves.
+    pub fn pick_in(
+        &self,
+        body: &[u8],
+        index: impl Fn(&str) -> Option<usize>,
+    ) -> Result<(&ServedModel, usize), ApiError> {
+        let m = self.pick(body)?;
+        index(&m.cfg.name)
+            .map(|i| (m, i))
+            .ok_or_else(|| self.not_found(&m.cfg.name))
+    }
+
     /// 404 for a model no entry answers to, naming every served name.
     pub fn not_found(&self, requested: &str) -> ApiError {
         ApiError::model_not_found_among(requested, &self.names())

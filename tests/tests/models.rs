@@ -19,6 +19,24 @@ fn header(r: &reqwest::Response, name: &str) -> String {
         .unwrap_or_default()
 }
 
+/// The ids `GET /v1/models` lists at `base`, in order.
+async fn model_ids(client: &reqwest::Client, base: &str) -> Vec<String> {
+    let list: Value = client
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 fn model(name: &str, aliases: &[&str], pool: &[&Replica]) -> ModelConfig {
     ModelConfig {
         name: name.into(),
@@ -169,21 +187,7 @@ async fn two_models_on_disjoint_pools_are_routed_by_the_model_field() {
     assert_eq!(v["error"]["code"], "missing_model");
 
     // /v1/models lists every model and alias; an alias's card names its model as root.
-    let list: Value = gw
-        .client
-        .get(format!("{}/v1/models", gw.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let ids: Vec<&str> = list["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["id"].as_str().unwrap())
-        .collect();
+    let ids = model_ids(&gw.client, &gw.base).await;
     assert_eq!(ids, ["Qwen3-8B", "default", "Qwen3-mini"]);
     let alias: Value = gw
         .client
@@ -409,20 +413,7 @@ async fn kvgate_up_also_cpu_serves_the_sim_model_and_the_real_one() {
     let (mut child, url) =
         common::start_kvgate_up(&["--replicas", "2", "--also", "cpu"], &[]).await;
     let client = reqwest::Client::new();
-    let list: Value = client
-        .get(format!("{url}/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let ids: Vec<&str> = list["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["id"].as_str().unwrap())
-        .collect();
+    let ids = model_ids(&client, &url).await;
     assert_eq!(ids, ["Qwen3-8B", "SmolLM2-135M-Instruct.Q4_1"]);
     for id in ids {
         let r = client

@@ -115,8 +115,7 @@ impl Registry {
                 .store(l.kv_usage.to_bits(), Ordering::Relaxed);
             r.since_poll_tokens.store(0, Ordering::Relaxed);
             if let Some(blocks) = l.num_gpu_blocks {
-                let (_, block_size) = self.model_of(&r.name);
-                self.learn_capacity(r, blocks * block_size as u64);
+                self.learn_capacity(r, blocks * self.block_size_of(&r.name) as u64);
             }
             if let Some(p) = l.preemptions {
                 self.note_preemptions(r, p);
@@ -171,7 +170,7 @@ impl Registry {
     /// prefix index holds at most that many of its blocks (plus a margin).
     pub(super) fn learn_capacity(&self, r: &ReplicaHandle, tokens: u64) {
         if r.capacity_tokens.swap(tokens, Ordering::Relaxed) != tokens && tokens > 0 {
-            let blocks = tokens / self.model_of(&r.name).1.max(1) as u64;
+            let blocks = tokens / self.block_size_of(&r.name).max(1) as u64;
             self.index.set_capacity(r.slot, Some(blocks as usize));
         }
     }

@@ -84,6 +84,12 @@ impl Registry {
         self.served.load().0.clone()
     }
 
+    /// The KV block size of the model `replica` serves ([`Registry::model_of`]).
+    pub fn block_size_of(&self, replica: &str) -> usize {
+        let served = self.served.load();
+        config::models::model_of(&served.0, &served.1, replica).block_size
+    }
+
     /// Sets the served models and the listed replicas their pools name.
     pub fn set_served(&self, models: Vec<ModelConfig>, listed: Vec<String>) {
         self.served.store(Arc::new((models, listed)));

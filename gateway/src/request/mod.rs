@@ -74,12 +74,7 @@ pub async fn generate(
     let active = state.policies.load();
     let catalog = state.models.load_full();
     // The model first: its prompt limit, tokenizer and routes depend on it.
-    let (served, model) = match catalog.pick(&body).and_then(|m| {
-        let i = active.model_index(&m.cfg.name);
-        // (A model a reload is adding or removing this instant is in only one of the two.)
-        i.map(|i| (m, i))
-            .ok_or_else(|| catalog.not_found(&m.cfg.name))
-    }) {
+    let (served, model) = match catalog.pick_in(&body, |name| active.model_index(name)) {
         Ok(x) => x,
         Err(e) => return respond_error(session, &e).await,
     };
