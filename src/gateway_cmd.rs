@@ -84,6 +84,13 @@ fn check_gateway(path: &std::path::Path) -> Result<()> {
         }
         None => println!("no policy file: one catch-all route with [policy]"),
     }
+    match &cfg.batch.path {
+        Some(p) => println!(
+            "Batch API: on, database {p} (up to {} MiB; finished batches kept {} h)",
+            cfg.batch.max_disk_mib, cfg.batch.retention_h
+        ),
+        None => println!("Batch API: off ([batch] path unset)"),
+    }
     let keys =
         gateway::http::auth::ApiKeyStore::new(cfg.auth.api_keys_file.as_ref().map(PathBuf::from))
             .map_err(|e| anyhow!(e))?;

@@ -324,6 +324,9 @@ pub struct GatewayConfig {
     /// Tokenizer and chat-template drift checks (`crate::drift`).
     #[serde(default)]
     pub drift: crate::drift::DriftConfig,
+    /// The Batch API and its database (`crate::batch`).
+    #[serde(default)]
+    pub batch: crate::batch::BatchConfig,
     /// Replicas given as tables in `replicas` (`{ addr, backend, kv_events, kv_replay }`):
     /// their engine and where it publishes KV events. The table's `addr` is in `replicas`.
     #[serde(skip)]
@@ -497,6 +500,7 @@ impl GatewayConfig {
             peers: crate::peers::PeersConfig::default(),
             cost: crate::cost::CostConfig::default(),
             drift: crate::drift::DriftConfig::default(),
+            batch: crate::batch::BatchConfig::default(),
             engines: Vec::new(),
             session_header: default_session_header(),
             model: ModelConfig::default(),

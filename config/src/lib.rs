@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api_keys;
+pub mod batch;
 pub mod cost;
 pub mod drift;
 pub mod error;

@@ -11,13 +11,16 @@
 //! - [`models`] — the served models: names, aliases, and each one's tokenizer and hashing;
 //! - [`state`] — the composition root that owns the parts and hands each stage its share;
 //!   [`server`] wires them and serves; [`admin`] is the admin API; [`membership`] changes the
-//!   fleet at run time; [`peers`] shares the admission budget with the fleet's other gateways.
+//!   fleet at run time; [`peers`] shares the admission budget with the fleet's other gateways;
+//! - [`batch`] — the OpenAI Batch API: files and jobs in an embedded database, their lines fed
+//!   into the fleet's spare capacity through the same request path.
 //!
 //! `docs/DESIGN.md` opens with a map from each request-path decision to the file that makes it.
 #![forbid(unsafe_code)]
 
 pub mod access_log;
 pub mod admin;
+pub mod batch;
 pub mod clock;
 pub mod fleet;
 pub mod http;

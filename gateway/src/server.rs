@@ -60,6 +60,8 @@ pub enum GatewayError {
     NoReplicas(String),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Batch(#[from] crate::batch::store::StoreError),
 }
 
 pub struct GatewayServer {
@@ -127,6 +129,7 @@ pub async fn build_gateway(
     registry.set_discovered_engines(&discovery.engines());
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
+    let batch = crate::batch::Batches::open(&cfg.batch)?;
     let d = &cfg.downstream;
     let tokenizer_slots = match d.tokenize_concurrency {
         0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
@@ -174,10 +177,12 @@ pub async fn build_gateway(
         policies,
         peers: Peers::new(cfg.peers.clone()),
         ready_wait: Duration::from_secs(cfg.index.ready_wait_s),
+        batch,
     });
     spawn_policy_reloaders(&state);
     spawn_peers(&state, &cfg.peers);
     spawn_discovery(&state);
+    crate::batch::runner::spawn(&state);
     // Gauges that are cheaper to sample than to maintain.
     let fleet_gauges = FleetGauges::new(cfg.cost.clone(), &state.metrics);
     let weak = Arc::downgrade(&state);

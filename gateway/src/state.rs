@@ -68,6 +68,8 @@ pub struct GatewayState {
     pub peers: Peers,
     /// Longest `/ready` waits after start for the replicas' KV events (`index.ready_wait_s`).
     pub ready_wait: Duration,
+    /// The Batch API's database and settings (`None`: off).
+    pub batch: Option<Arc<crate::batch::Batches>>,
 }
 
 impl GatewayState {

@@ -19,6 +19,7 @@ impl GatewayConfig {
         self.auth.api_keys_file = rel(&self.auth.api_keys_file);
         self.auth.admin_token_file = rel(&self.auth.admin_token_file);
         self.auth.fleet_token_file = rel(&self.auth.fleet_token_file);
+        self.batch.path = rel(&self.batch.path);
     }
 
     /// The sections (as the file names them) in which `next` differs from `self` and that a
@@ -45,6 +46,7 @@ impl GatewayConfig {
             peers,
             cost,
             drift,
+            batch,
             session_header,
             health,
             index,

@@ -69,6 +69,7 @@ impl GatewayConfig {
         );
         self.peers.check(&mut v);
         self.cost.check(&mut v);
+        self.batch.check(&mut v);
         self.drift.check(&mut v, &self.access_log.path);
         self.check_models(&mut v);
         let d = &self.downstream;

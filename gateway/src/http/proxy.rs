@@ -2,7 +2,8 @@
 //! `request_filter`. `GET /health` and (when enabled) `GET /metrics` are answered here;
 //! `GET /v1/models[/{id}]` by `models.rs`; a generation request (`POST /v1/completions`,
 //! `POST /v1/chat/completions`) is authenticated (API key → tenant and allowed priority
-//! classes) and handed to the request pipeline (`request/mod.rs`); anything else gets an
+//! classes) and handed to the request pipeline (`request/mod.rs`); the Files and Batches
+//! endpoints go to `batch/api.rs`; anything else gets an
 //! OpenAI-shaped 404 or 405. Each request is then counted and written to the access log.
 
 use std::sync::Arc;
@@ -127,6 +128,21 @@ impl ProxyHttp for GatewayProxy {
                     Err(e) => {
                         state.metrics.auth_failed("api");
                         ("models", respond_error(session, &e).await)
+                    }
+                }
+            }
+            (_, p, _) if crate::batch::api::owns(p) => {
+                match state.keys.authenticate(&session.req_header().headers) {
+                    Ok(grant) => {
+                        rec.tenant = grant.as_ref().map(|g| g.tenant.clone());
+                        (
+                            "batch",
+                            crate::batch::api::handle(state, session, grant).await,
+                        )
+                    }
+                    Err(e) => {
+                        state.metrics.auth_failed("api");
+                        ("batch", respond_error(session, &e).await)
                     }
                 }
             }

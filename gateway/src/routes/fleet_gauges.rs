@@ -53,31 +53,71 @@ fn mean(xs: &[f64]) -> Option<f64> {
     (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
 }
 
-/// `route`'s signal now.
-pub fn route_scale(a: &ActivePolicy, route: &ActiveRoute, fleet: &Registry) -> ScaleParts {
-    let holdoff = Duration::from_millis(a.file.preemption_holdoff_ms);
+/// One replica's leading indicators against targets (each 1.0 where it stops taking new
+/// work within the promise): KV usage against the high-water mark, the predicted wait for a
+/// first token against `ttft_target`, the predicted decode step with one more stream against
+/// `itl_target` (targets in seconds, headroom applied by the caller). `None` for a replica
+/// that is not healthy. Read by the autoscaling signal and by the Batch API's trough check.
+pub fn replica_parts(
+    a: &ActivePolicy,
+    slot: usize,
+    fleet: &Registry,
+    ttft_target: Option<f64>,
+    itl_target: Option<f64>,
+) -> Option<ReplicaParts> {
+    let r = fleet.replica(slot).filter(|r| r.is_healthy())?;
+    let p = fleet.pressure(slot, Duration::from_millis(a.file.preemption_holdoff_ms), 0);
+    let m = r.model.lock();
+    let ttft = match (ttft_target, m.predict_ttft(p.queued_prefill_tokens, 1, 0)) {
+        (Some(t), Some(wait)) => Some(wait.as_secs_f64() / t.max(1e-9)),
+        _ => None,
+    };
+    let itl = match (itl_target, m.predict_itl(p.running + 1)) {
+        (Some(t), Some(step)) => Some(step.as_secs_f64() / t.max(1e-9)),
+        _ => None,
+    };
+    Some(ReplicaParts {
+        kv: p.kv_usage / a.file.kv_high_water.max(1e-9),
+        ttft,
+        itl,
+        preempting: p.preempting,
+    })
+}
+
+/// [`replica_parts`]' answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReplicaParts {
+    pub kv: f64,
+    pub ttft: Option<f64>,
+    pub itl: Option<f64>,
+    pub preempting: bool,
+}
+
+/// `route`'s promises as [`replica_parts`] reads them: the TTFT and inter-token targets in
+/// seconds with the admission headroom (the inter-token one the strictest of the pool's when
+/// the route has none).
+pub fn route_targets(a: &ActivePolicy, route: &ActiveRoute) -> (Option<f64>, Option<f64>) {
     let h = a.file.admission_headroom;
-    let ttft_target = route.slo.ttft.map(|t| t.as_secs_f64() * h);
-    let itl_target = route
+    let ttft = route.slo.ttft.map(|t| t.as_secs_f64() * h);
+    let itl = route
         .slo
         .itl
         .or_else(|| a.strictest_itl(&route.pool))
         .map(|t| t.as_secs_f64() * h);
+    (ttft, itl)
+}
+
+/// `route`'s signal now.
+pub fn route_scale(a: &ActivePolicy, route: &ActiveRoute, fleet: &Registry) -> ScaleParts {
+    let (ttft_target, itl_target) = route_targets(a, route);
     let (mut kv, mut ttft, mut itl) = (Vec::new(), Vec::new(), Vec::new());
     for &i in &route.pool {
-        let Some(r) = fleet.replica(i).filter(|r| r.is_healthy()) else {
+        let Some(p) = replica_parts(a, i, fleet, ttft_target, itl_target) else {
             continue;
         };
-        let p = fleet.pressure(i, holdoff, 0);
-        kv.push(p.kv_usage / a.file.kv_high_water.max(1e-9));
-        let m = r.model.lock();
-        if let (Some(t), Some(wait)) = (ttft_target, m.predict_ttft(p.queued_prefill_tokens, 1, 0))
-        {
-            ttft.push(wait.as_secs_f64() / t.max(1e-9));
-        }
-        if let (Some(t), Some(step)) = (itl_target, m.predict_itl(p.running + 1)) {
-            itl.push(step.as_secs_f64() / t.max(1e-9));
-        }
+        kv.push(p.kv);
+        ttft.extend(p.ttft);
+        itl.extend(p.itl);
     }
     let waiting = route.rt.queue.len() + route.rt.queue.others();
     ScaleParts {

@@ -1,0 +1,66 @@
+//! The OpenAI Batch API, run on the fleet's trough. A client uploads a JSONL file of requests
+//! (`POST /v1/files`, `purpose=batch`) and creates a batch over it (`POST /v1/batches` with a
+//! `completion_window`); the gateway keeps both in an embedded SQLite database and feeds the
+//! lines into the fleet only while the interactive routes have room under their promises,
+//! through the same request path an interactive request takes. The parts, one file each:
+//!
+//! - [`api`] — the endpoints (files: upload, list, retrieve, content, delete; batches: create,
+//!   list, retrieve, cancel), per tenant;
+//! - [`multipart`] — the upload's `multipart/form-data` body; [`jsonl`] — the input file's
+//!   checks, each problem a 400 naming its line;
+//! - [`objects`] — the OpenAI objects and ids; [`store`] — the database;
+//! - [`trough`] — which replicas may take a batch line now; [`line`] — one line through the
+//!   request pipeline; [`runner`] — the feeding loop: dispatch, results, cancel, expiry,
+//!   retention.
+//!
+//! A gateway killed mid-job finds its unfinished batches in the database on restart and runs
+//! the lines that have no result yet; results are keyed by line, so each `custom_id` is in
+//! the output once.
+
+pub mod api;
+pub mod jsonl;
+pub mod line;
+pub mod multipart;
+pub mod objects;
+pub mod runner;
+pub mod store;
+pub mod trough;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use config::batch::BatchConfig;
+
+use crate::batch::store::{Store, StoreError};
+
+/// The Batch API's shared part: its settings, its database, and the runner's doorbell.
+pub struct Batches {
+    pub cfg: BatchConfig,
+    pub store: Arc<Store>,
+    /// Rung when a batch is created or cancelled, so the runner looks at once.
+    pub wake: tokio::sync::Notify,
+}
+
+impl Batches {
+    /// Opens the database `cfg` names; `None` when the API is off.
+    pub fn open(cfg: &BatchConfig) -> Result<Option<Arc<Batches>>, StoreError> {
+        let Some(path) = &cfg.path else {
+            return Ok(None);
+        };
+        let store = Store::open(Path::new(path))?;
+        tracing::info!(path, "Batch API on");
+        Ok(Some(Arc::new(Batches {
+            cfg: cfg.clone(),
+            store,
+            wake: tokio::sync::Notify::new(),
+        })))
+    }
+
+    /// Lines running at once across the fleet for `healthy` replicas.
+    pub fn max_in_flight(&self, healthy: usize) -> usize {
+        match self.cfg.max_in_flight {
+            0 => 16 * healthy.max(1),
+            n => n,
+        }
+    }
+}

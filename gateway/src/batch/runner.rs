@@ -1,0 +1,345 @@
+//! The feeding loop. It keeps, for each unfinished batch, the lines with no result yet (read
+//! from the database at start and when a batch is created) and, once per look at the trough
+//! (`trough.rs`: about one decode step), starts at most one line per spare replica, up to the
+//! in-flight cap, taking lines from the batches in turn, oldest first. Each line runs through
+//! the request pipeline (`line.rs`) and its result is written before it is counted:
+//!
+//! - a 2xx answer goes to the output file, a 4xx (or a 5xx a third time) to the error file;
+//! - a 429 or 503 (the fleet had no room after all) or a broken pipe puts the line back, and
+//!   the batch waits a second before its next line;
+//! - a cancelled or expired batch starts nothing more; once its running lines finish it is
+//!   finalised, the lines never run written to the error file with `batch_cancelled` or
+//!   `batch_expired`, as OpenAI does. A batch whose lines all have results is `completed`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use config::{Grant, Priority};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::batch::objects::{answered_line, now_s, BatchRow, Status};
+use crate::batch::store::{Ending, Store};
+use crate::batch::{line, trough, Batches};
+use crate::state::GatewayState;
+
+/// Attempts a line gets at a 5xx or a broken pipe before it is a failure.
+const MAX_ATTEMPTS: u32 = 3;
+/// A batch whose line was put back waits this long before its next one.
+const COOLDOWN: Duration = Duration::from_secs(1);
+/// How often finished batches and old files are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(600);
+/// How often the database's size is read for its gauge.
+const SIZE_EVERY: Duration = Duration::from_secs(10);
+
+struct Job {
+    row: BatchRow,
+    pending: VecDeque<i64>,
+    running: usize,
+    attempts: HashMap<i64, u32>,
+    cooldown_until: Option<Instant>,
+}
+
+impl Job {
+    fn grant(&self) -> Option<Grant> {
+        (!self.row.tenant.is_empty()).then(|| Grant {
+            tenant: self.row.tenant.clone(),
+            priorities: vec![Priority::Batch],
+        })
+    }
+
+    fn stopping(&self, now: i64) -> Option<Ending> {
+        if self.row.status == Status::Cancelling {
+            Some(Ending::Cancelled)
+        } else if now >= self.row.expires_at {
+            Some(Ending::Expired)
+        } else {
+            None
+        }
+    }
+}
+
+/// What became of a started line.
+enum Outcome {
+    /// Its result is in the database (`ok`: in the output file); `tokens` generated.
+    Done { ok: bool, tokens: u64 },
+    /// Back in the queue; `counted`: this was a real attempt (a 5xx or a broken pipe).
+    Retry { counted: bool },
+}
+
+struct Report {
+    batch: String,
+    idx: i64,
+    outcome: Outcome,
+}
+
+/// Starts the runner when the Batch API is on.
+pub fn spawn(state: &Arc<GatewayState>) {
+    let Some(batches) = state.batch.clone() else {
+        return;
+    };
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move { run(weak, batches).await });
+}
+
+async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Report>();
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut reload = true;
+    let mut next = 0usize;
+    let mut last_sweep: Option<Instant> = None;
+    let mut last_size: Option<Instant> = None;
+    loop {
+        let Some(st) = state.upgrade() else { return };
+        let m = &st.metrics;
+        if reload {
+            reload = false;
+            if let Err(e) = sync(&b.store, &mut jobs).await {
+                tracing::warn!(error = %e, "batch runner: cannot read the database");
+            }
+        }
+        while let Ok(r) = rx.try_recv() {
+            apply(&mut jobs, r, m);
+        }
+        finish(&b.store, &mut jobs).await;
+        if last_sweep.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
+            last_sweep = Some(Instant::now());
+            sweep(&b).await;
+        }
+        let look = trough::look(&st.policies.load(), &st.fleet, b.cfg.headroom);
+        let running: usize = jobs.iter().map(|j| j.running).sum();
+        let mut budget = look
+            .spare
+            .len()
+            .min(b.max_in_flight(look.healthy).saturating_sub(running));
+        let now = now_s();
+        while budget > 0 && !st.lifecycle.is_draining() {
+            let runnable = |j: &Job| {
+                !j.pending.is_empty()
+                    && j.stopping(now).is_none()
+                    && j.cooldown_until.is_none_or(|t| t <= Instant::now())
+            };
+            let Some(k) = (0..jobs.len())
+                .map(|d| (next + d) % jobs.len())
+                .find(|&k| runnable(&jobs[k]))
+            else {
+                break;
+            };
+            next = k + 1;
+            let job = &mut jobs[k];
+            let Some(idx) = job.pending.pop_front() else {
+                break;
+            };
+            job.running += 1;
+            budget -= 1;
+            tokio::spawn(run_line(
+                st.clone(),
+                b.store.clone(),
+                job.row.id.clone(),
+                job.row.endpoint.clone(),
+                job.grant(),
+                idx,
+                *job.attempts.get(&idx).unwrap_or(&0),
+                tx.clone(),
+            ));
+        }
+        gauges(&jobs, m);
+        if last_size.is_none_or(|t| t.elapsed() >= SIZE_EVERY) {
+            last_size = Some(Instant::now());
+            if let Ok(bytes) = b.store.call(|s| s.bytes_used()).await {
+                m.gauge("kvgate_batch_store_bytes").set(bytes as f64);
+            }
+        }
+        let tick = look.tick;
+        drop(st);
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = b.wake.notified() => reload = true,
+            Some(r) = rx.recv() => {
+                if let Some(st) = state.upgrade() {
+                    apply(&mut jobs, r, &st.metrics);
+                }
+            }
+        }
+    }
+}
+
+/// Adds the database's unfinished batches the runner does not have yet, and takes their
+/// status (a cancel) for those it has.
+async fn sync(
+    store: &Arc<Store>,
+    jobs: &mut Vec<Job>,
+) -> Result<(), crate::batch::store::StoreError> {
+    let rows = store.call(|s| s.unfinished()).await?;
+    for row in rows {
+        if let Some(j) = jobs.iter_mut().find(|j| j.row.id == row.id) {
+            j.row.status = row.status;
+            continue;
+        }
+        let id = row.id.clone();
+        let pending = store.call(move |s| s.pending(&id)).await?;
+        tracing::info!(batch = %row.id, lines = pending.len(), "batch runner: took a batch");
+        jobs.push(Job {
+            row,
+            pending: pending.into(),
+            running: 0,
+            attempts: HashMap::new(),
+            cooldown_until: None,
+        });
+    }
+    Ok(())
+}
+
+fn apply(jobs: &mut [Job], r: Report, m: &crate::metrics::GatewayMetrics) {
+    let Some(job) = jobs.iter_mut().find(|j| j.row.id == r.batch) else {
+        return;
+    };
+    job.running = job.running.saturating_sub(1);
+    match r.outcome {
+        Outcome::Done { ok, tokens } => {
+            let outcome = if ok { "completed" } else { "failed" };
+            m.counter("kvgate_batch_lines_total", &[("outcome", outcome)])
+                .increment(1);
+            m.counter("kvgate_batch_generated_tokens_total", &[])
+                .increment(tokens);
+            if ok {
+                job.row.completed += 1;
+            } else {
+                job.row.failed += 1;
+            }
+        }
+        Outcome::Retry { counted } => {
+            m.counter("kvgate_batch_lines_total", &[("outcome", "retried")])
+                .increment(1);
+            if counted {
+                *job.attempts.entry(r.idx).or_insert(0) += 1;
+            }
+            job.pending.push_back(r.idx);
+            job.cooldown_until = Some(Instant::now() + COOLDOWN);
+        }
+    }
+}
+
+/// Finalises the batches that are done: every line has a result, or a cancel or the window
+/// stopped them and their running lines came back.
+async fn finish(store: &Arc<Store>, jobs: &mut Vec<Job>) {
+    let now = now_s();
+    let mut k = 0;
+    while k < jobs.len() {
+        let j = &jobs[k];
+        let ending = match j.stopping(now) {
+            Some(e) if j.running == 0 => Some(e),
+            None if j.running == 0 && j.pending.is_empty() => Some(Ending::Completed),
+            _ => None,
+        };
+        let Some(ending) = ending else {
+            k += 1;
+            continue;
+        };
+        let id = j.row.id.clone();
+        match store.call(move |s| s.finalize(&id, ending, now)).await {
+            Ok(()) => {
+                tracing::info!(batch = %j.row.id, ?ending, completed = j.row.completed,
+                    failed = j.row.failed, "batch finished");
+                jobs.remove(k);
+            }
+            Err(e) => {
+                tracing::warn!(batch = %j.row.id, error = %e, "cannot finalise a batch; retrying");
+                k += 1;
+            }
+        }
+    }
+}
+
+/// Deletes what is past its retention.
+async fn sweep(b: &Batches) {
+    let before = now_s() - (b.cfg.retention_h * 3600) as i64;
+    match b.store.call(move |s| s.expire(before)).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(rows = n, "batch retention: deleted what expired"),
+        Err(e) => tracing::warn!(error = %e, "batch retention sweep failed"),
+    }
+}
+
+fn gauges(jobs: &[Job], m: &crate::metrics::GatewayMetrics) {
+    let queued: usize = jobs.iter().map(|j| j.pending.len()).sum();
+    let running: usize = jobs.iter().map(|j| j.running).sum();
+    m.gauge_with("kvgate_batch_lines", &[("state", "queued")])
+        .set(queued as f64);
+    m.gauge_with("kvgate_batch_lines", &[("state", "running")])
+        .set(running as f64);
+    m.gauge("kvgate_batch_jobs_unfinished")
+        .set(jobs.len() as f64);
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_line(
+    state: Arc<GatewayState>,
+    store: Arc<Store>,
+    batch: String,
+    endpoint: String,
+    grant: Option<Grant>,
+    idx: i64,
+    attempts: u32,
+    tx: mpsc::UnboundedSender<Report>,
+) {
+    let outcome = attempt(state, &store, &batch, &endpoint, grant, idx, attempts).await;
+    let _ = tx.send(Report {
+        batch,
+        idx,
+        outcome,
+    });
+}
+
+async fn attempt(
+    state: Arc<GatewayState>,
+    store: &Arc<Store>,
+    batch: &str,
+    endpoint: &str,
+    grant: Option<Grant>,
+    idx: i64,
+    attempts: u32,
+) -> Outcome {
+    let id = batch.to_string();
+    let line = match store.call(move |s| s.line(&id, idx)).await {
+        Ok(Some(l)) => l,
+        _ => return Outcome::Retry { counted: true },
+    };
+    let answer = match line::run(state, grant, endpoint, Bytes::from(line.body)).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(batch, idx, error = %e, "batch line failed in the gateway");
+            return Outcome::Retry { counted: true };
+        }
+    };
+    let last = attempts + 1 >= MAX_ATTEMPTS;
+    match answer.status {
+        429 | 503 => return Outcome::Retry { counted: false },
+        s if s >= 500 && !last => return Outcome::Retry { counted: true },
+        _ => {}
+    }
+    let ok = (200..300).contains(&answer.status);
+    let body: Value = serde_json::from_slice(&answer.body).unwrap_or_else(
+        |_| serde_json::json!({"error": {"message": String::from_utf8_lossy(&answer.body)}}),
+    );
+    let tokens = body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    let text = answered_line(
+        &line.custom_id,
+        answer.status,
+        answer.request_id.as_deref(),
+        body,
+    )
+    .to_string();
+    let id = batch.to_string();
+    match store.call(move |s| s.record(&id, idx, ok, &text)).await {
+        Ok(true) => Outcome::Done { ok, tokens },
+        // Already there (an earlier run of this line): counted then.
+        Ok(false) => Outcome::Done { ok, tokens: 0 },
+        Err(e) => {
+            tracing::warn!(batch, idx, error = %e, "cannot write a batch line's result");
+            Outcome::Retry { counted: false }
+        }
+    }
+}

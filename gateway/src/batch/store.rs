@@ -1,0 +1,499 @@
+//! The Batch API's database: SQLite through rusqlite (bundled, so nothing to install). Four
+//! tables — `files` (uploads and the output and error files, content inline), `batches` (the
+//! OpenAI object's fields, counts, and an owner and lease for several gateways), `lines` (each
+//! input line's `custom_id` and body, copied from the file at creation), `results` (one row per
+//! finished line, keyed by batch and line). A result is written with `INSERT OR IGNORE` and the
+//! batch's counts move in the same transaction only when the row is new: a line may run twice
+//! (a gateway killed after the replica answered but before the write), its result is kept
+//! once, and the output file, built in line order at finalize, names each `custom_id` once.
+//!
+//! Every call is synchronous and short; callers on the async runtime go through
+//! [`Store::call`], which runs it on tokio's blocking pool.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::batch::objects::{BatchRow, FileRow, Status};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("batch database: {0}")]
+    Sql(#[from] rusqlite::Error),
+    #[error("batch database task failed: {0}")]
+    Join(String),
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS files(
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
+  bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER, content BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS files_by_tenant ON files(tenant, created_at);
+CREATE TABLE IF NOT EXISTS batches(
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, endpoint TEXT NOT NULL,
+  input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL,
+  created_at INTEGER NOT NULL, in_progress_at INTEGER, expires_at INTEGER NOT NULL,
+  finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+  cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
+  total INTEGER NOT NULL, completed INTEGER NOT NULL DEFAULT 0,
+  failed INTEGER NOT NULL DEFAULT 0, metadata TEXT, owner TEXT, lease_until INTEGER);
+CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches(tenant, created_at);
+CREATE TABLE IF NOT EXISTS lines(
+  batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body BLOB NOT NULL,
+  PRIMARY KEY(batch_id, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS results(
+  batch_id TEXT NOT NULL, idx INTEGER NOT NULL, ok INTEGER NOT NULL, line TEXT NOT NULL,
+  PRIMARY KEY(batch_id, idx)) WITHOUT ROWID;
+PRAGMA user_version = 1;
+";
+
+const BATCH_COLUMNS: &str = "id, tenant, endpoint, input_file_id, completion_window, status, \
+     created_at, in_progress_at, expires_at, finalizing_at, completed_at, failed_at, expired_at, \
+     cancelling_at, cancelled_at, output_file_id, error_file_id, total, completed, failed, metadata";
+
+const FILE_COLUMNS: &str = "id, tenant, purpose, filename, bytes, created_at, expires_at";
+
+fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
+    Ok(BatchRow {
+        id: r.get(0)?,
+        tenant: r.get(1)?,
+        endpoint: r.get(2)?,
+        input_file_id: r.get(3)?,
+        completion_window: r.get(4)?,
+        status: Status::parse(&r.get::<_, String>(5)?),
+        created_at: r.get(6)?,
+        in_progress_at: r.get(7)?,
+        expires_at: r.get(8)?,
+        finalizing_at: r.get(9)?,
+        completed_at: r.get(10)?,
+        failed_at: r.get(11)?,
+        expired_at: r.get(12)?,
+        cancelling_at: r.get(13)?,
+        cancelled_at: r.get(14)?,
+        output_file_id: r.get(15)?,
+        error_file_id: r.get(16)?,
+        total: r.get(17)?,
+        completed: r.get(18)?,
+        failed: r.get(19)?,
+        metadata: r.get(20)?,
+    })
+}
+
+fn file_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<FileRow> {
+    Ok(FileRow {
+        id: r.get(0)?,
+        tenant: r.get(1)?,
+        purpose: r.get(2)?,
+        filename: r.get(3)?,
+        bytes: r.get(4)?,
+        created_at: r.get(5)?,
+        expires_at: r.get(6)?,
+    })
+}
+
+/// One input line as stored: its position in the file, `custom_id` and request body.
+#[derive(Debug, Clone)]
+pub struct StoredLine {
+    pub idx: i64,
+    pub custom_id: String,
+    pub body: Vec<u8>,
+}
+
+/// How a batch ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Completed,
+    /// Past its window: lines not run are written to the error file as `batch_expired`.
+    Expired,
+    /// Cancelled: lines not run are written to the error file as `batch_cancelled`.
+    Cancelled,
+}
+
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+impl Store {
+    /// Opens (creating when missing) the database at `path`.
+    pub fn open(path: &Path) -> Result<Arc<Store>, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let conn = Connection::open(path)?;
+        // WAL: readers never wait for the writer; NORMAL: a commit survives the process being
+        // killed (not a power cut between checkpoints, which FULL would cost an fsync per
+        // result for).
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Arc::new(Store {
+            conn: Mutex::new(conn),
+        }))
+    }
+
+    /// Runs `f` on the blocking pool with the connection.
+    pub async fn call<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || f(&me))
+            .await
+            .map_err(|e| StoreError::Join(e.to_string()))?
+    }
+
+    /// The database's size on disk, in bytes (pages in use and free, plus the WAL's).
+    pub fn bytes_used(&self) -> Result<u64, StoreError> {
+        let c = self.conn.lock();
+        let pages: i64 = c.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+        let size: i64 = c.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        Ok((pages * size) as u64)
+    }
+
+    pub fn insert_file(&self, f: &FileRow, content: &[u8]) -> Result<(), StoreError> {
+        self.conn.lock().execute(
+            &format!("INSERT INTO files({FILE_COLUMNS}, content) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"),
+            params![
+                f.id,
+                f.tenant,
+                f.purpose,
+                f.filename,
+                f.bytes,
+                f.created_at,
+                f.expires_at,
+                content
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn file(&self, tenant: &str, id: &str) -> Result<Option<FileRow>, StoreError> {
+        Ok(self
+            .conn
+            .lock()
+            .query_row(
+                &format!("SELECT {FILE_COLUMNS} FROM files WHERE id = ?1 AND tenant = ?2"),
+                params![id, tenant],
+                file_row,
+            )
+            .optional()?)
+    }
+
+    pub fn file_content(&self, tenant: &str, id: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self
+            .conn
+            .lock()
+            .query_row(
+                "SELECT content FROM files WHERE id = ?1 AND tenant = ?2",
+                params![id, tenant],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// The tenant's files, newest first, after the one named `after` (a page of `limit`).
+    pub fn list_files(
+        &self,
+        tenant: &str,
+        purpose: Option<&str>,
+        limit: usize,
+        after: Option<&str>,
+    ) -> Result<Vec<FileRow>, StoreError> {
+        let c = self.conn.lock();
+        let mut q = c.prepare(&format!(
+            "SELECT {FILE_COLUMNS} FROM files WHERE tenant = ?1 AND (?2 IS NULL OR purpose = ?2)
+             AND (?3 IS NULL OR (created_at, id) < (SELECT created_at, id FROM files WHERE id = ?3))
+             ORDER BY created_at DESC, id DESC LIMIT ?4"
+        ))?;
+        let rows = q.query_map(params![tenant, purpose, after, limit as i64], file_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Deletes a file; `false` when the tenant has none by that id.
+    pub fn delete_file(&self, tenant: &str, id: &str) -> Result<bool, StoreError> {
+        Ok(self.conn.lock().execute(
+            "DELETE FROM files WHERE id = ?1 AND tenant = ?2",
+            params![id, tenant],
+        )? == 1)
+    }
+
+    /// Creates a batch and its lines in one transaction.
+    pub fn create_batch(&self, b: &BatchRow, lines: &[StoredLine]) -> Result<(), StoreError> {
+        let mut c = self.conn.lock();
+        let tx = c.transaction()?;
+        tx.execute(
+            "INSERT INTO batches(id, tenant, endpoint, input_file_id, completion_window, status,
+               created_at, in_progress_at, expires_at, total, metadata)
+             VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)",
+            params![
+                b.id,
+                b.tenant,
+                b.endpoint,
+                b.input_file_id,
+                b.completion_window,
+                b.status.as_str(),
+                b.created_at,
+                b.in_progress_at,
+                b.expires_at,
+                b.total,
+                b.metadata
+            ],
+        )?;
+        {
+            let mut ins = tx.prepare(
+                "INSERT INTO lines(batch_id, idx, custom_id, body) VALUES (?1,?2,?3,?4)",
+            )?;
+            for l in lines {
+                ins.execute(params![b.id, l.idx, l.custom_id, l.body])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn batch(&self, tenant: &str, id: &str) -> Result<Option<BatchRow>, StoreError> {
+        Ok(self
+            .conn
+            .lock()
+            .query_row(
+                &format!("SELECT {BATCH_COLUMNS} FROM batches WHERE id = ?1 AND tenant = ?2"),
+                params![id, tenant],
+                batch_row,
+            )
+            .optional()?)
+    }
+
+    /// The tenant's batches, newest first, after the one named `after`.
+    pub fn list_batches(
+        &self,
+        tenant: &str,
+        limit: usize,
+        after: Option<&str>,
+    ) -> Result<Vec<BatchRow>, StoreError> {
+        let c = self.conn.lock();
+        let mut q = c.prepare(&format!(
+            "SELECT {BATCH_COLUMNS} FROM batches WHERE tenant = ?1
+             AND (?2 IS NULL OR (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?2))
+             ORDER BY created_at DESC, id DESC LIMIT ?3"
+        ))?;
+        let rows = q.query_map(params![tenant, after, limit as i64], batch_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Batches not yet finished (to run, or to finish cancelling), oldest first.
+    pub fn unfinished(&self) -> Result<Vec<BatchRow>, StoreError> {
+        let c = self.conn.lock();
+        let mut q = c.prepare(&format!(
+            "SELECT {BATCH_COLUMNS} FROM batches
+             WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling')
+             ORDER BY created_at, id"
+        ))?;
+        let rows = q.query_map([], batch_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// How many batches `tenant` has unfinished.
+    pub fn unfinished_of(&self, tenant: &str) -> Result<usize, StoreError> {
+        let n: i64 = self.conn.lock().query_row(
+            "SELECT count(*) FROM batches WHERE tenant = ?1
+             AND status IN ('validating', 'in_progress', 'finalizing', 'cancelling')",
+            params![tenant],
+            |r| r.get(0),
+        )?;
+        Ok(n as usize)
+    }
+
+    /// The positions of a batch's lines with no result yet, in order.
+    pub fn pending(&self, batch: &str) -> Result<Vec<i64>, StoreError> {
+        let c = self.conn.lock();
+        let mut q = c.prepare(
+            "SELECT l.idx FROM lines l LEFT JOIN results r
+               ON r.batch_id = l.batch_id AND r.idx = l.idx
+             WHERE l.batch_id = ?1 AND r.idx IS NULL ORDER BY l.idx",
+        )?;
+        let rows = q.query_map(params![batch], |r| r.get(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    pub fn line(&self, batch: &str, idx: i64) -> Result<Option<StoredLine>, StoreError> {
+        Ok(self
+            .conn
+            .lock()
+            .query_row(
+                "SELECT idx, custom_id, body FROM lines WHERE batch_id = ?1 AND idx = ?2",
+                params![batch, idx],
+                |r| {
+                    Ok(StoredLine {
+                        idx: r.get(0)?,
+                        custom_id: r.get(1)?,
+                        body: r.get(2)?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
+    /// Keeps a line's result unless it has one already; `true` when this call wrote it.
+    pub fn record(&self, batch: &str, idx: i64, ok: bool, line: &str) -> Result<bool, StoreError> {
+        let mut c = self.conn.lock();
+        let tx = c.transaction()?;
+        let new = tx.execute(
+            "INSERT OR IGNORE INTO results(batch_id, idx, ok, line) VALUES (?1,?2,?3,?4)",
+            params![batch, idx, ok, line],
+        )? == 1;
+        if new {
+            let column = if ok { "completed" } else { "failed" };
+            tx.execute(
+                &format!("UPDATE batches SET {column} = {column} + 1 WHERE id = ?1"),
+                params![batch],
+            )?;
+        }
+        tx.commit()?;
+        Ok(new)
+    }
+
+    /// Marks a batch `cancelling` (from `validating` or `in_progress`); the row after.
+    pub fn cancel(&self, tenant: &str, id: &str, now: i64) -> Result<Option<BatchRow>, StoreError> {
+        self.conn.lock().execute(
+            "UPDATE batches SET status = 'cancelling', cancelling_at = ?3
+             WHERE id = ?1 AND tenant = ?2 AND status IN ('validating', 'in_progress')",
+            params![id, tenant, now],
+        )?;
+        self.batch(tenant, id)
+    }
+
+    /// Ends a batch in one transaction: the output file (successful lines, in line order),
+    /// the error file (failed lines, then — when expired or cancelled — the lines never run),
+    /// the final status and its time. A batch already ended is left as it is.
+    pub fn finalize(&self, id: &str, ending: Ending, now: i64) -> Result<(), StoreError> {
+        let mut c = self.conn.lock();
+        let tx = c.transaction()?;
+        let (tenant, status): (String, String) = tx.query_row(
+            "SELECT tenant, status FROM batches WHERE id = ?1",
+            params![id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        if Status::parse(&status).is_final() {
+            return Ok(());
+        }
+        let collect = |ok: bool| -> rusqlite::Result<Vec<u8>> {
+            let mut q = tx
+                .prepare("SELECT line FROM results WHERE batch_id = ?1 AND ok = ?2 ORDER BY idx")?;
+            let mut out = Vec::new();
+            for l in q.query_map(params![id, ok], |r| r.get::<_, String>(0))? {
+                out.extend_from_slice(l?.as_bytes());
+                out.push(b'\n');
+            }
+            Ok(out)
+        };
+        let output = collect(true)?;
+        let mut errors = collect(false)?;
+        let unrun = match ending {
+            Ending::Completed => None,
+            Ending::Expired => Some((
+                "batch_expired",
+                "This request could not be executed before the completion window expired.",
+            )),
+            Ending::Cancelled => Some((
+                "batch_cancelled",
+                "This request was not executed because the batch was cancelled.",
+            )),
+        };
+        if let Some((code, message)) = unrun {
+            let mut q = tx.prepare(
+                "SELECT l.custom_id FROM lines l LEFT JOIN results r
+                   ON r.batch_id = l.batch_id AND r.idx = l.idx
+                 WHERE l.batch_id = ?1 AND r.idx IS NULL ORDER BY l.idx",
+            )?;
+            for custom_id in q.query_map(params![id], |r| r.get::<_, String>(0))? {
+                let line =
+                    crate::batch::objects::error_line(&custom_id?, code, message).to_string();
+                errors.extend_from_slice(line.as_bytes());
+                errors.push(b'\n');
+            }
+        }
+        let file = |content: &[u8], kind: &str| -> rusqlite::Result<Option<String>> {
+            if content.is_empty() {
+                return Ok(None);
+            }
+            let f = FileRow {
+                id: crate::batch::objects::new_id("file-"),
+                tenant: tenant.clone(),
+                purpose: "batch_output".into(),
+                filename: format!("{id}_{kind}.jsonl"),
+                bytes: content.len() as i64,
+                created_at: now,
+                expires_at: None,
+            };
+            tx.execute(
+                &format!(
+                    "INSERT INTO files({FILE_COLUMNS}, content) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"
+                ),
+                params![
+                    f.id,
+                    f.tenant,
+                    f.purpose,
+                    f.filename,
+                    f.bytes,
+                    f.created_at,
+                    f.expires_at,
+                    content
+                ],
+            )?;
+            Ok(Some(f.id))
+        };
+        let output_id = file(&output, "output")?;
+        let error_id = file(&errors, "error")?;
+        let (status, at) = match ending {
+            Ending::Completed => ("completed", "completed_at"),
+            Ending::Expired => ("expired", "expired_at"),
+            Ending::Cancelled => ("cancelled", "cancelled_at"),
+        };
+        tx.execute(
+            &format!(
+                "UPDATE batches SET status = ?2, {at} = ?3, finalizing_at = coalesce(finalizing_at, ?3),
+                 output_file_id = ?4, error_file_id = ?5 WHERE id = ?1"
+            ),
+            params![id, status, now, output_id, error_id],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Deletes batches that ended before `before` (with their lines and results) and files
+    /// created before it that no unfinished batch reads; how many rows went.
+    pub fn expire(&self, before: i64) -> Result<usize, StoreError> {
+        let mut c = self.conn.lock();
+        let tx = c.transaction()?;
+        let gone =
+            "SELECT id FROM batches WHERE status IN ('completed', 'failed', 'expired', 'cancelled')
+               AND coalesce(completed_at, failed_at, expired_at, cancelled_at, created_at) < ?1";
+        let mut n = tx.execute(
+            &format!("DELETE FROM results WHERE batch_id IN ({gone})"),
+            params![before],
+        )?;
+        n += tx.execute(
+            &format!("DELETE FROM lines WHERE batch_id IN ({gone})"),
+            params![before],
+        )?;
+        n += tx.execute(
+            &format!("DELETE FROM batches WHERE id IN ({gone})"),
+            params![before],
+        )?;
+        n += tx.execute(
+            "DELETE FROM files WHERE created_at < ?1 AND id NOT IN (
+               SELECT input_file_id FROM batches
+               WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling'))",
+            params![before],
+        )?;
+        tx.commit()?;
+        if n > 0 {
+            // Give the freed pages back to the file system.
+            let _ = c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;");
+        }
+        Ok(n)
+    }
+}

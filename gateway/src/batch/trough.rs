@@ -1,0 +1,86 @@
+//! Where batch work may go now: the fleet's trough. A replica is *spare* while no interactive
+//! request waits in the gateway for any route it serves, it is not preempting, and its
+//! predicted signals — KV usage against the high-water mark, the predicted wait for a first
+//! token against the TTFT promise, the predicted decode step with one more stream against the
+//! inter-token promise (the autoscaling signal's per-replica parts, `routes/fleet_gauges.rs`)
+//! — stay under `headroom` of what the interactive routes on it promise. The runner feeds at
+//! most one new line per spare replica per look, and looks once per predicted decode step, so
+//! feeding stops within one step of interactive load rising; lines already running finish.
+
+use std::time::Duration;
+
+use config::Priority;
+
+use crate::fleet::registry::Registry;
+use crate::routes::fleet_gauges::{replica_parts, route_targets};
+use crate::routes::store::ActivePolicy;
+
+/// The shortest and longest pause between looks.
+const MIN_TICK: Duration = Duration::from_millis(10);
+const MAX_TICK: Duration = Duration::from_millis(200);
+/// The pause while no replica has a learnt decode step.
+const DEFAULT_TICK: Duration = Duration::from_millis(50);
+
+/// One look at the fleet.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Trough {
+    /// Replica slots that may take one more batch line.
+    pub spare: Vec<usize>,
+    /// Healthy replicas.
+    pub healthy: usize,
+    /// Until the next look: the fleet's mean predicted decode step now.
+    pub tick: Duration,
+}
+
+fn min_some(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, y) => x.or(y),
+    }
+}
+
+/// Looks at the fleet under the active policy.
+pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64) -> Trough {
+    let slots = fleet.replicas().len();
+    let mut out = Trough::default();
+    let mut steps = Vec::new();
+    for slot in 0..slots {
+        let interactive: Vec<_> = a
+            .routes
+            .iter()
+            .filter(|r| r.cfg.priority != Some(Priority::Batch) && r.pool.contains(&slot))
+            .collect();
+        let waiting = interactive
+            .iter()
+            .any(|r| r.rt.queue.len() + r.rt.queue.others() > 0);
+        let (ttft, itl) = interactive
+            .iter()
+            .map(|r| route_targets(a, r))
+            .fold((None, None), |(t, i), (rt, ri)| {
+                (min_some(t, rt), min_some(i, ri))
+            });
+        let Some(parts) = replica_parts(a, slot, fleet, ttft, itl) else {
+            continue;
+        };
+        out.healthy += 1;
+        if let Some(r) = fleet.replica(slot) {
+            let running = fleet.pressure(slot, Duration::ZERO, 0).running.max(1);
+            steps.extend(r.model.lock().predict_itl(running));
+        }
+        let under = |x: Option<f64>| x.is_none_or(|x| x < headroom);
+        if !waiting
+            && !parts.preempting
+            && parts.kv < headroom
+            && under(parts.ttft)
+            && under(parts.itl)
+        {
+            out.spare.push(slot);
+        }
+    }
+    out.tick = if steps.is_empty() {
+        DEFAULT_TICK
+    } else {
+        (steps.iter().sum::<Duration>() / steps.len() as u32).clamp(MIN_TICK, MAX_TICK)
+    };
+    out
+}

@@ -1,0 +1,225 @@
+//! The Batch API end to end: the official openai SDK's round trip with two tenants, a
+//! malformed file and a cancel (`python/openai_batch.py`), and a gateway process killed with
+//! SIGKILL mid-job that, restarted on the same database, finishes it with every `custom_id`
+//! in the output exactly once.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{free_port, kvgate_binary, start_gateway, start_replica, tokenizer_dir, FLEET_TOKEN};
+use serde_json::{json, Value};
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvgate-batch-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_runs_a_batch_and_tenants_cannot_see_each_other() {
+    let dir = scratch("sdk");
+    let keys = dir.join("keys.toml");
+    std::fs::write(
+        &keys,
+        "[[keys]]\nkey = \"sk-tenant-a-0123456789\"\ntenant = \"a\"\npriorities = [\"interactive\", \"batch\"]\n\
+         [[keys]]\nkey = \"sk-tenant-b-0123456789\"\ntenant = \"b\"\npriorities = [\"interactive\", \"batch\"]\n",
+    )
+    .unwrap();
+    let reps = [start_replica(|_| {}).await, start_replica(|_| {}).await];
+    let db = dir.join("batch.sqlite3");
+    let gw = start_gateway(&[&reps[0], &reps[1]], |c| {
+        c.auth.api_keys_file = Some(keys.display().to_string());
+        c.batch.path = Some(db.display().to_string());
+    })
+    .await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openai_batch.py");
+    let out = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(format!("{}/v1", gw.base))
+        .args([
+            "sk-tenant-a-0123456789",
+            "sk-tenant-b-0123456789",
+            "Qwen3-8B",
+        ])
+        .output()
+        .await
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "SDK run failed:\n{stdout}\n{stderr}");
+    for check in ["roundtrip ok", "isolation ok", "malformed ok", "cancel ok"] {
+        assert!(stdout.contains(check), "{check}:\n{stdout}");
+    }
+    let m = gw.metrics_text().await;
+    assert!(
+        m.contains("kvgate_batch_lines_total{outcome=\"completed\"}"),
+        "{m}"
+    );
+    // The lines were batch-class requests on the replicas.
+    assert!(gw.metric("kvgate_batch_generated_tokens_total").await >= 6.0 * 8.0);
+}
+
+/// A multipart upload as the SDK sends it (reqwest here has no multipart feature).
+fn multipart(content: &str) -> (String, Vec<u8>) {
+    let boundary = "kvgate-test-boundary-7f3a";
+    let body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\
+         Content-Type: application/octet-stream\r\n\r\n{content}\r\n--{boundary}--\r\n"
+    );
+    (
+        format!("multipart/form-data; boundary={boundary}"),
+        body.into_bytes(),
+    )
+}
+
+fn gateway_file(dir: &Path, replica: &str, port: u16, admin: u16) -> PathBuf {
+    let path = dir.join("gateway.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\
+             replicas = [\"{replica}\"]\n[model]\ntokenizer_dir = \"{}\"\n\
+             [batch]\npath = \"batch.sqlite3\"\nmax_in_flight = 4\n",
+            tokenizer_dir().display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `kvgate gateway` as a process (SIGKILL-able), ready once `/health` answers 200.
+async fn start_gateway_process(file: &Path, base: &str) -> tokio::process::Child {
+    let child = tokio::process::Command::new(kvgate_binary())
+        .args(["gateway", "--config"])
+        .arg(file)
+        .env("KVGATE_FLEET_TOKEN", FLEET_TOKEN)
+        .env_remove("KVGATE_API_KEYS")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start kvgate gateway");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = reqwest::get(format!("{base}/health")).await {
+            if r.status().is_success() {
+                return child;
+            }
+        }
+        assert!(Instant::now() < deadline, "the gateway never became ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn batch(base: &str, id: &str) -> Value {
+    reqwest::get(format!("{base}/v1/batches/{id}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_job_finishes_it_after_restart_with_each_line_once() {
+    let dir = scratch("sigkill");
+    let rep = start_replica(|_| {}).await;
+    let (port, admin) = (free_port(), free_port());
+    let base = format!("http://127.0.0.1:{port}");
+    let file = gateway_file(&dir, &rep.host_port(), port, admin);
+    let mut gw = start_gateway_process(&file, &base).await;
+
+    const LINES: usize = 40;
+    let content: Vec<String> = (0..LINES)
+        .map(|i| {
+            json!({
+                "custom_id": format!("line-{i}"),
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "Qwen3-8B", "prompt": format!("Summarise item {i}."),
+                         "max_tokens": 48, "ignore_eos": true},
+            })
+            .to_string()
+        })
+        .collect();
+    let (ct, body) = multipart(&content.join("\n"));
+    let client = reqwest::Client::new();
+    let f: Value = client
+        .post(format!("{base}/v1/files"))
+        .header("content-type", ct)
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let b: Value = client
+        .post(format!("{base}/v1/batches"))
+        .json(
+            &json!({"input_file_id": f["id"], "endpoint": "/v1/completions",
+                      "completion_window": "1h"}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = b["id"].as_str().expect("a batch id").to_string();
+
+    // Kill it once some lines are done and others are not.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let done_before = loop {
+        let n = batch(&base, &id).await["request_counts"]["completed"]
+            .as_u64()
+            .unwrap();
+        if n >= 5 {
+            break n;
+        }
+        assert!(Instant::now() < deadline, "no progress");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    gw.kill().await.unwrap(); // SIGKILL
+    assert!((done_before as usize) < LINES, "killed before the end");
+
+    let _gw = start_gateway_process(&file, &base).await;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let ended = loop {
+        let b = batch(&base, &id).await;
+        if b["status"] == "completed" {
+            break b;
+        }
+        assert_eq!(b["status"], "in_progress", "{b}");
+        assert!(Instant::now() < deadline, "never finished: {b}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(ended["request_counts"]["total"], LINES);
+    assert_eq!(ended["request_counts"]["completed"], LINES, "{ended}");
+    assert_eq!(ended["request_counts"]["failed"], 0);
+    let out = reqwest::get(format!(
+        "{base}/v1/files/{}/content",
+        ended["output_file_id"].as_str().unwrap()
+    ))
+    .await
+    .unwrap()
+    .text()
+    .await
+    .unwrap();
+    let mut ids: Vec<String> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["custom_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ids.len(), LINES, "one output line per request");
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), LINES, "each custom_id exactly once");
+}
