@@ -11,7 +11,11 @@
 //! retention_h = 168              # finished batches and their files are deleted after this
 //! headroom = 0.7                 # a replica takes batch lines while its interactive signals
 //!                                # stay under this share of the promise (see DESIGN)
-//! max_in_flight = 0              # batch lines running at once; 0: 4 per healthy replica
+//! max_in_flight = 0              # batch lines running at once; 0: 16 per healthy replica
+//! lease_s = 30                   # several gateways on one database: a batch is run by one
+//!                                # of them at a time, taken over when its lease runs out
+//! node_id = "gw-1"               # this gateway's name in the leases (default: host and the
+//!                                # API address, so a restarted gateway takes its jobs back)
 //! ```
 
 use serde::Deserialize;
@@ -38,9 +42,15 @@ pub struct BatchConfig {
     /// predicted signals must stay under for it to take a new batch line.
     #[serde(default = "default_headroom")]
     pub headroom: f64,
-    /// Batch lines in flight at once across the fleet; 0: four per healthy replica.
+    /// Batch lines in flight at once across the fleet; 0: sixteen per healthy replica.
     #[serde(default)]
     pub max_in_flight: usize,
+    /// Seconds a gateway's claim on a batch lasts unless renewed (every third of it).
+    #[serde(default = "default_lease")]
+    pub lease_s: u64,
+    /// This gateway's name in the leases (default: the host name and the API address).
+    #[serde(default)]
+    pub node_id: Option<String>,
 }
 
 impl Default for BatchConfig {
@@ -54,6 +64,8 @@ impl Default for BatchConfig {
             retention_h: default_retention_h(),
             headroom: default_headroom(),
             max_in_flight: 0,
+            lease_s: default_lease(),
+            node_id: None,
         }
     }
 }
@@ -103,6 +115,12 @@ impl BatchConfig {
             "must be at least 1 hour",
         );
         v.check(
+            (1..=3600).contains(&self.lease_s),
+            "batch.lease_s",
+            self.lease_s,
+            "must be between 1 and 3600 seconds",
+        );
+        v.check(
             self.headroom > 0.0 && self.headroom <= 1.0,
             "batch.headroom",
             self.headroom,
@@ -125,6 +143,9 @@ fn default_disk_mib() -> u64 {
 }
 fn default_retention_h() -> u64 {
     168
+}
+fn default_lease() -> u64 {
+    30
 }
 fn default_headroom() -> f64 {
     0.7

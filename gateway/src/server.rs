@@ -129,7 +129,7 @@ pub async fn build_gateway(
     registry.set_discovered_engines(&discovery.engines());
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
-    let batch = crate::batch::Batches::open(&cfg.batch)?;
+    let batch = crate::batch::Batches::open(&cfg.batch, listener.local_addr()?)?;
     let d = &cfg.downstream;
     let tokenizer_slots = match d.tokenize_concurrency {
         0 => std::thread::available_parallelism().map_or(2, |n| n.get()),

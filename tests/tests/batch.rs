@@ -76,14 +76,14 @@ fn multipart(content: &str) -> (String, Vec<u8>) {
     )
 }
 
-fn gateway_file(dir: &Path, replica: &str, port: u16, admin: u16) -> PathBuf {
-    let path = dir.join("gateway.toml");
+fn gateway_file(dir: &Path, name: &str, replica: &str, port: u16, admin: u16) -> PathBuf {
+    let path = dir.join(name);
     std::fs::write(
         &path,
         format!(
             "listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\
              replicas = [\"{replica}\"]\n[model]\ntokenizer_dir = \"{}\"\n\
-             [batch]\npath = \"batch.sqlite3\"\nmax_in_flight = 4\n",
+             [batch]\npath = \"batch.sqlite3\"\nmax_in_flight = 4\nlease_s = 3\n",
             tokenizer_dir().display()
         ),
     )
@@ -123,17 +123,9 @@ async fn batch(base: &str, id: &str) -> Value {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_killed_mid_job_finishes_it_after_restart_with_each_line_once() {
-    let dir = scratch("sigkill");
-    let rep = start_replica(|_| {}).await;
-    let (port, admin) = (free_port(), free_port());
-    let base = format!("http://127.0.0.1:{port}");
-    let file = gateway_file(&dir, &rep.host_port(), port, admin);
-    let mut gw = start_gateway_process(&file, &base).await;
-
-    const LINES: usize = 40;
-    let content: Vec<String> = (0..LINES)
+/// Uploads `lines` completions requests and creates a batch over them; its id.
+async fn submit(base: &str, lines: usize) -> String {
+    let content: Vec<String> = (0..lines)
         .map(|i| {
             json!({
                 "custom_id": format!("line-{i}"),
@@ -169,27 +161,29 @@ async fn a_gateway_killed_mid_job_finishes_it_after_restart_with_each_line_once(
         .json()
         .await
         .unwrap();
-    let id = b["id"].as_str().expect("a batch id").to_string();
+    b["id"].as_str().expect("a batch id").to_string()
+}
 
-    // Kill it once some lines are done and others are not.
+/// Polls until the batch has at least `n` completed lines.
+async fn wait_completed(base: &str, id: &str, n: u64) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(120);
-    let done_before = loop {
-        let n = batch(&base, &id).await["request_counts"]["completed"]
+    loop {
+        let done = batch(base, id).await["request_counts"]["completed"]
             .as_u64()
             .unwrap();
-        if n >= 5 {
-            break n;
+        if done >= n {
+            return done;
         }
         assert!(Instant::now() < deadline, "no progress");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    gw.kill().await.unwrap(); // SIGKILL
-    assert!((done_before as usize) < LINES, "killed before the end");
+    }
+}
 
-    let _gw = start_gateway_process(&file, &base).await;
+/// Polls until the batch is completed; checks every line is in the output exactly once.
+async fn wait_output(base: &str, id: &str, lines: usize) {
     let deadline = Instant::now() + Duration::from_secs(180);
     let ended = loop {
-        let b = batch(&base, &id).await;
+        let b = batch(base, id).await;
         if b["status"] == "completed" {
             break b;
         }
@@ -197,8 +191,8 @@ async fn a_gateway_killed_mid_job_finishes_it_after_restart_with_each_line_once(
         assert!(Instant::now() < deadline, "never finished: {b}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert_eq!(ended["request_counts"]["total"], LINES);
-    assert_eq!(ended["request_counts"]["completed"], LINES, "{ended}");
+    assert_eq!(ended["request_counts"]["total"], lines);
+    assert_eq!(ended["request_counts"]["completed"], lines, "{ended}");
     assert_eq!(ended["request_counts"]["failed"], 0);
     let out = reqwest::get(format!(
         "{base}/v1/files/{}/content",
@@ -218,8 +212,78 @@ async fn a_gateway_killed_mid_job_finishes_it_after_restart_with_each_line_once(
                 .to_string()
         })
         .collect();
-    assert_eq!(ids.len(), LINES, "one output line per request");
+    assert_eq!(ids.len(), lines, "one output line per request");
     ids.sort();
     ids.dedup();
-    assert_eq!(ids.len(), LINES, "each custom_id exactly once");
+    assert_eq!(ids.len(), lines, "each custom_id exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_job_finishes_it_after_restart_with_each_line_once() {
+    let dir = scratch("sigkill");
+    let rep = start_replica(|_| {}).await;
+    let (port, admin) = (free_port(), free_port());
+    let base = format!("http://127.0.0.1:{port}");
+    let file = gateway_file(&dir, "gateway.toml", &rep.host_port(), port, admin);
+    let mut gw = start_gateway_process(&file, &base).await;
+
+    const LINES: usize = 40;
+    let id = submit(&base, LINES).await;
+
+    // Kill it once some lines are done and others are not.
+    let done_before = wait_completed(&base, &id, 5).await;
+    gw.kill().await.unwrap(); // SIGKILL
+    assert!((done_before as usize) < LINES, "killed before the end");
+    // The same gateway file (the same node id): it takes its batch back at once.
+    let _gw = start_gateway_process(&file, &base).await;
+    wait_output(&base, &id, LINES).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_gateway_on_the_database_takes_over_a_dead_ones_batch() {
+    let dir = scratch("takeover");
+    let rep = start_replica(|_| {}).await;
+    let (pa, aa, pb, ab) = (free_port(), free_port(), free_port(), free_port());
+    let (base_a, base_b) = (
+        format!("http://127.0.0.1:{pa}"),
+        format!("http://127.0.0.1:{pb}"),
+    );
+    let mut a = start_gateway_process(
+        &gateway_file(&dir, "a.toml", &rep.host_port(), pa, aa),
+        &base_a,
+    )
+    .await;
+    const LINES: usize = 240;
+    let id = submit(&base_a, LINES).await;
+    wait_completed(&base_a, &id, 3).await;
+    let _b = start_gateway_process(
+        &gateway_file(&dir, "b.toml", &rep.host_port(), pb, ab),
+        &base_b,
+    )
+    .await;
+    // B sees the batch (one database) but A holds it: B runs none of its lines.
+    let seen = batch(&base_b, &id).await;
+    assert_eq!(seen["status"], "in_progress", "{seen}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let metrics = |admin: u16| async move {
+        reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    assert!(
+        !metrics(ab)
+            .await
+            .contains("kvgate_batch_lines_total{outcome=\"completed\"}"),
+        "B ran a line A holds"
+    );
+    let before = wait_completed(&base_a, &id, 6).await;
+    a.kill().await.unwrap(); // SIGKILL: A's lease runs out in 3 s
+    assert!((before as usize) < LINES);
+    wait_output(&base_b, &id, LINES).await;
+    assert!(metrics(ab)
+        .await
+        .contains("kvgate_batch_lines_total{outcome=\"completed\"}"));
 }

@@ -26,8 +26,10 @@ pub mod runner;
 pub mod store;
 pub mod trough;
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use config::batch::BatchConfig;
 
@@ -39,21 +41,43 @@ pub struct Batches {
     pub store: Arc<Store>,
     /// Rung when a batch is created or cancelled, so the runner looks at once.
     pub wake: tokio::sync::Notify,
+    /// This gateway's name in the batches' leases (`store/lease.rs`).
+    pub node_id: String,
 }
 
 impl Batches {
-    /// Opens the database `cfg` names; `None` when the API is off.
-    pub fn open(cfg: &BatchConfig) -> Result<Option<Arc<Batches>>, StoreError> {
+    /// Opens the database `cfg` names for the gateway serving at `api_addr`; `None` when
+    /// the API is off.
+    pub fn open(
+        cfg: &BatchConfig,
+        api_addr: SocketAddr,
+    ) -> Result<Option<Arc<Batches>>, StoreError> {
         let Some(path) = &cfg.path else {
             return Ok(None);
         };
         let store = Store::open(Path::new(path))?;
-        tracing::info!(path, "Batch API on");
+        let node_id = cfg.node_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "kvgate".into());
+            format!("{host}/{api_addr}")
+        });
+        tracing::info!(path, node_id, "Batch API on");
         Ok(Some(Arc::new(Batches {
             cfg: cfg.clone(),
             store,
             wake: tokio::sync::Notify::new(),
+            node_id,
         })))
+    }
+
+    /// How long a claim on a batch lasts, and how often it is renewed.
+    pub fn lease(&self) -> (Duration, Duration) {
+        let lease = Duration::from_secs(self.cfg.lease_s);
+        (lease, lease / 3)
     }
 
     /// Lines running at once across the fleet for `healthy` replicas.

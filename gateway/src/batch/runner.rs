@@ -21,7 +21,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::batch::objects::{answered_line, now_s, BatchRow, Status};
-use crate::batch::store::{Ending, Store};
+use crate::batch::store::{Ending, Store, StoreError};
 use crate::batch::{line, trough, Batches};
 use crate::state::GatewayState;
 
@@ -91,12 +91,15 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
     let mut next = 0usize;
     let mut last_sweep: Option<Instant> = None;
     let mut last_size: Option<Instant> = None;
+    let mut last_claim: Option<Instant> = None;
+    let (lease, renew_every) = b.lease();
     loop {
         let Some(st) = state.upgrade() else { return };
         let m = &st.metrics;
-        if reload {
+        if reload || last_claim.is_none_or(|t| t.elapsed() >= renew_every) {
             reload = false;
-            if let Err(e) = sync(&b.store, &mut jobs).await {
+            last_claim = Some(Instant::now());
+            if let Err(e) = sync(&b, lease, &mut jobs).await {
                 tracing::warn!(error = %e, "batch runner: cannot read the database");
             }
         }
@@ -166,20 +169,27 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
     }
 }
 
-/// Adds the database's unfinished batches the runner does not have yet, and takes their
-/// status (a cancel) for those it has.
-async fn sync(
-    store: &Arc<Store>,
-    jobs: &mut Vec<Job>,
-) -> Result<(), crate::batch::store::StoreError> {
-    let rows = store.call(|s| s.unfinished()).await?;
+/// Claims (and renews the lease on) the batches this gateway may run: takes in those it
+/// did not have, takes their status (a cancel) for those it has, and lets go of those another
+/// gateway took over (their running lines finish; their results are kept once).
+async fn sync(b: &Batches, lease: Duration, jobs: &mut Vec<Job>) -> Result<(), StoreError> {
+    let now = now_s();
+    let (me, until) = (b.node_id.clone(), now + lease.as_secs() as i64);
+    let rows = b.store.call(move |s| s.claim(&me, now, until)).await?;
+    jobs.retain(|j| {
+        let kept = rows.iter().any(|r| r.id == j.row.id);
+        if !kept {
+            tracing::warn!(batch = %j.row.id, "batch runner: another gateway holds this batch now");
+        }
+        kept
+    });
     for row in rows {
         if let Some(j) = jobs.iter_mut().find(|j| j.row.id == row.id) {
             j.row.status = row.status;
             continue;
         }
         let id = row.id.clone();
-        let pending = store.call(move |s| s.pending(&id)).await?;
+        let pending = b.store.call(move |s| s.pending(&id)).await?;
         tracing::info!(batch = %row.id, lines = pending.len(), "batch runner: took a batch");
         jobs.push(Job {
             row,

@@ -1,0 +1,39 @@
+//! Several gateways on one database: each unfinished batch is run by one gateway at a time,
+//! the one holding its lease (`owner`, `lease_until`). A gateway claims, in one `BEGIN
+//! IMMEDIATE` transaction (SQLite's write lock, so two claims never interleave), every
+//! unfinished batch that has no owner, is its own, or whose owner's lease ran out, and
+//! extends the lease on all of them; it claims again every third of the lease. A gateway that
+//! dies stops renewing, and another takes its batches once the lease is past; one restarted
+//! under the same node id takes them back at once. A line started by the old owner may also
+//! finish after the takeover: results are kept once per line, so the output is unchanged.
+
+use rusqlite::{params, TransactionBehavior};
+
+use super::{batch_row, Store, StoreError, BATCH_COLUMNS};
+use crate::batch::objects::BatchRow;
+
+impl Store {
+    /// Claims for `me` until `lease_until` what is free, and returns what `me` now holds,
+    /// oldest first.
+    pub fn claim(&self, me: &str, now: i64, lease_until: i64) -> Result<Vec<BatchRow>, StoreError> {
+        let mut c = self.conn.lock();
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute(
+            "UPDATE batches SET owner = ?1, lease_until = ?3
+             WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling')
+               AND (owner IS NULL OR owner = ?1 OR lease_until IS NULL OR lease_until < ?2)",
+            params![me, now, lease_until],
+        )?;
+        let rows = {
+            let mut q = tx.prepare(&format!(
+                "SELECT {BATCH_COLUMNS} FROM batches
+                 WHERE owner = ?1 AND status IN ('validating', 'in_progress', 'finalizing', 'cancelling')
+                 ORDER BY created_at, id"
+            ))?;
+            let rows = q.query_map(params![me], batch_row)?;
+            rows.collect::<Result<Vec<_>, _>>()?
+        };
+        tx.commit()?;
+        Ok(rows)
+    }
+}

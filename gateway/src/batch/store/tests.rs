@@ -1,0 +1,166 @@
+use super::*;
+use crate::batch::objects::{new_id, now_s};
+
+fn store() -> (Arc<Store>, std::path::PathBuf) {
+    let path = std::env::temp_dir().join(format!("{}.sqlite3", new_id("kvgate-store-test-")));
+    (Store::open(&path).unwrap(), path)
+}
+
+fn batch(s: &Store, lines: usize) -> BatchRow {
+    let now = now_s();
+    let row = BatchRow {
+        id: new_id("batch_"),
+        tenant: "t".into(),
+        endpoint: "/v1/completions".into(),
+        input_file_id: "file-x".into(),
+        completion_window: "1h".into(),
+        status: Status::InProgress,
+        created_at: now,
+        in_progress_at: Some(now),
+        expires_at: now + 3600,
+        finalizing_at: None,
+        completed_at: None,
+        failed_at: None,
+        expired_at: None,
+        cancelling_at: None,
+        cancelled_at: None,
+        output_file_id: None,
+        error_file_id: None,
+        total: lines as i64,
+        completed: 0,
+        failed: 0,
+        metadata: None,
+    };
+    let stored: Vec<StoredLine> = (0..lines)
+        .map(|i| StoredLine {
+            idx: i as i64,
+            custom_id: format!("c{i}"),
+            body: b"{}".to_vec(),
+        })
+        .collect();
+    s.create_batch(&row, &stored).unwrap();
+    row
+}
+
+fn content(s: &Store, id: &Option<String>) -> Vec<serde_json::Value> {
+    let bytes = s
+        .file_content("t", id.as_deref().unwrap())
+        .unwrap()
+        .unwrap();
+    String::from_utf8(bytes)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_line_run_twice_is_kept_and_counted_once_and_the_output_is_in_line_order() {
+    let (s, path) = store();
+    let b = batch(&s, 3);
+    assert_eq!(s.pending(&b.id).unwrap(), [0, 1, 2]);
+    let line = |c: &str| format!("{{\"custom_id\":\"{c}\"}}");
+    assert!(s.record(&b.id, 2, true, &line("c2")).unwrap());
+    assert!(
+        !s.record(&b.id, 2, true, &line("c2")).unwrap(),
+        "second run ignored"
+    );
+    assert!(s.record(&b.id, 0, true, &line("c0")).unwrap());
+    assert!(s.record(&b.id, 1, false, &line("c1")).unwrap());
+    assert!(s.pending(&b.id).unwrap().is_empty());
+    s.finalize(&b.id, Ending::Completed, now_s()).unwrap();
+    let done = s.batch("t", &b.id).unwrap().unwrap();
+    assert_eq!(done.status, Status::Completed);
+    assert_eq!((done.completed, done.failed), (2, 1));
+    let out: Vec<_> = content(&s, &done.output_file_id)
+        .iter()
+        .map(|v| v["custom_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(out, ["c0", "c2"]);
+    assert_eq!(content(&s, &done.error_file_id).len(), 1);
+    // Finalising again changes nothing.
+    s.finalize(&b.id, Ending::Cancelled, now_s()).unwrap();
+    assert_eq!(s.batch("t", &b.id).unwrap().unwrap(), done);
+    // Another tenant sees none of it.
+    assert!(s.batch("u", &b.id).unwrap().is_none());
+    assert!(s
+        .file_content("u", done.output_file_id.as_deref().unwrap())
+        .unwrap()
+        .is_none());
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn a_cancelled_batch_lists_the_lines_it_never_ran_as_errors() {
+    let (s, path) = store();
+    let b = batch(&s, 3);
+    s.record(&b.id, 1, true, "{\"custom_id\":\"c1\"}").unwrap();
+    let c = s.cancel("t", &b.id, now_s()).unwrap().unwrap();
+    assert_eq!(c.status, Status::Cancelling);
+    assert!(
+        s.cancel("u", &b.id, now_s()).unwrap().is_none(),
+        "not the tenant's"
+    );
+    s.finalize(&b.id, Ending::Cancelled, now_s()).unwrap();
+    let done = s.batch("t", &b.id).unwrap().unwrap();
+    assert_eq!(done.status, Status::Cancelled);
+    assert!(done.cancelled_at.is_some());
+    let errors = content(&s, &done.error_file_id);
+    let ids: Vec<_> = errors
+        .iter()
+        .map(|v| v["custom_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["c0", "c2"]);
+    assert_eq!(errors[0]["error"]["code"], "batch_cancelled");
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn a_batch_is_held_by_one_gateway_until_its_lease_runs_out() {
+    let (s, path) = store();
+    let b = batch(&s, 1);
+    let now = now_s();
+    assert_eq!(s.claim("a", now, now + 30).unwrap().len(), 1);
+    assert!(
+        s.claim("b", now + 10, now + 40).unwrap().is_empty(),
+        "a holds it"
+    );
+    assert_eq!(
+        s.claim("a", now + 20, now + 50).unwrap().len(),
+        1,
+        "renewed"
+    );
+    assert!(s.claim("b", now + 40, now + 70).unwrap().is_empty());
+    assert_eq!(
+        s.claim("b", now + 51, now + 81).unwrap()[0].id,
+        b.id,
+        "taken over"
+    );
+    assert!(
+        s.claim("a", now + 52, now + 82).unwrap().is_empty(),
+        "a lost it"
+    );
+    s.finalize(&b.id, Ending::Completed, now).unwrap();
+    assert!(
+        s.claim("b", now + 53, now + 83).unwrap().is_empty(),
+        "finished"
+    );
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn retention_deletes_what_ended_long_ago() {
+    let (s, path) = store();
+    let b = batch(&s, 1);
+    s.record(&b.id, 0, true, "{\"custom_id\":\"c0\"}").unwrap();
+    s.finalize(&b.id, Ending::Completed, now_s()).unwrap();
+    let running = batch(&s, 1);
+    assert_eq!(s.expire(now_s() - 10).unwrap(), 0, "nothing old enough");
+    assert!(s.expire(now_s() + 10).unwrap() > 0);
+    assert!(s.batch("t", &b.id).unwrap().is_none());
+    assert!(
+        s.batch("t", &running.id).unwrap().is_some(),
+        "unfinished batches stay"
+    );
+    let _ = std::fs::remove_file(path);
+}
