@@ -23,6 +23,10 @@ pub struct BenchArgs {
     /// spacing is kept, rescaled so the mean rate equals --rate / each of --rates.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Arrivals follow one compressed day over --duration: a cosine from this share of the
+    /// rate (night, at the start and the end) to the rate (noon, in the middle).
+    #[arg(long)]
+    pub daily_low: Option<f64>,
     /// Arrival rate, requests per second (one rate; 2 when neither --rate nor --rates is given).
     #[arg(long, conflicts_with = "rates")]
     pub rate: Option<f64>,
@@ -134,7 +138,17 @@ pub(crate) fn workload_of(
 
 pub async fn run_bench(a: BenchArgs) -> Result<()> {
     use loadtest::run::Slo;
-    let workload = workload_of(&a.workload, a.trace.as_deref())?;
+    let workload = match (workload_of(&a.workload, a.trace.as_deref())?, a.daily_low) {
+        (w, None) => w,
+        (loadtest::run::Workload::Generated(k), Some(low))
+            if (0.0..=1.0).contains(&low) && k != loadtest::workload::Kind::Bursty =>
+        {
+            loadtest::run::Workload::Daily(k, low)
+        }
+        _ => bail!(
+            "--daily-low takes a share between 0 and 1 and a generated workload other than bursty"
+        ),
+    };
     let rates = rates_of(&a);
     if rates.iter().any(|r| !(*r > 0.0 && r.is_finite()))
         || !(a.duration > 0.0 && a.warmup >= 0.0 && a.warmup < a.duration)

@@ -81,6 +81,10 @@ pub struct ReplicaArgs {
     /// Token budget of one engine step (chunked prefill slices prompts to fit it).
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Prompt tokens a background request (body `priority` above 0, e.g. kvgate's batch
+    /// route) prefills per step at most, so interactive arrivals wait little behind it (0: no cap).
+    #[arg(long, default_value_t = 256)]
+    pub background_chunk_tokens: usize,
     /// Longest prompt + completion in tokens (default: the model's native context, capped by the KV cache).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -185,6 +189,7 @@ pub async fn run_replica(a: ReplicaArgs) -> Result<()> {
     cfg.block_size = a.block_size;
     cfg.max_num_seqs = a.max_num_seqs;
     cfg.max_num_batched_tokens = a.max_num_batched_tokens;
+    cfg.background_chunk_tokens = a.background_chunk_tokens;
     cfg.max_model_len = a.max_model_len;
     cfg.gpu_memory_utilization = a.model.gpu_memory_utilization;
     cfg.num_gpu_blocks = a.num_gpu_blocks;

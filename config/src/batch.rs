@@ -11,7 +11,7 @@
 //! retention_h = 168              # finished batches and their files are deleted after this
 //! headroom = 0.7                 # a replica takes batch lines while its interactive signals
 //!                                # stay under this share of the promise (see DESIGN)
-//! max_in_flight = 0              # batch lines running at once; 0: 16 per healthy replica
+//! max_in_flight = 0              # batch lines running at once; 0: 4 per healthy replica
 //! lease_s = 30                   # several gateways on one database: a batch is run by one
 //!                                # of them at a time, taken over when its lease runs out
 //! node_id = "gw-1"               # this gateway's name in the leases (default: host and the
@@ -42,7 +42,9 @@ pub struct BatchConfig {
     /// predicted signals must stay under for it to take a new batch line.
     #[serde(default = "default_headroom")]
     pub headroom: f64,
-    /// Batch lines in flight at once across the fleet; 0: sixteen per healthy replica.
+    /// Batch lines in flight at once across the fleet; 0: four per healthy replica (16 put
+    /// the interactive p95 TTFT at 2.5–7× its batch-free value on the bench's L4 fleet, 4 at
+    /// 1.2×: BENCHMARKS).
     #[serde(default)]
     pub max_in_flight: usize,
     /// Seconds a gateway's claim on a batch lasts unless renewed (every third of it).

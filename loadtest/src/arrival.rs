@@ -81,9 +81,53 @@ pub fn poisson_schedule(
     out
 }
 
+/// Start offsets of a Poisson process whose rate follows one compressed day over `duration`:
+/// a cosine from `low_share × peak` at the start and the end (night) to `peak` in the middle
+/// (noon), drawn by thinning a process at `peak`, so the same seed gives the same schedule.
+pub fn daily_schedule(
+    peak: f64,
+    low_share: f64,
+    duration: Duration,
+    max_requests: usize,
+    seed: u64,
+) -> Vec<Duration> {
+    assert!(peak > 0.0 && (0.0..=1.0).contains(&low_share));
+    let mut keep = Rng::new(seed ^ 0xda11_5c4e_d01e);
+    let end = duration.as_secs_f64();
+    poisson_schedule(peak, duration, usize::MAX, seed)
+        .into_iter()
+        .filter(|t| {
+            let phase = 2.0 * std::f64::consts::PI * t.as_secs_f64() / end;
+            let share = low_share + (1.0 - low_share) * (1.0 - phase.cos()) / 2.0;
+            keep.unit() < share
+        })
+        .take(max_requests)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_day_is_quiet_at_night_and_busy_at_noon() {
+        let day = Duration::from_secs(3_000);
+        let s = daily_schedule(20.0, 0.125, day, usize::MAX, 3);
+        let count = |from: f64, to: f64| {
+            s.iter()
+                .filter(|t| (from..to).contains(&t.as_secs_f64()))
+                .count() as f64
+        };
+        // The first and the middle 100 s: about 2.5/s and 20/s.
+        let night = count(0.0, 100.0) / 100.0;
+        let noon = count(1_450.0, 1_550.0) / 100.0;
+        assert!((1.5..4.0).contains(&night), "{night}");
+        assert!((17.0..23.0).contains(&noon), "{noon}");
+        // The mean is the midpoint of the cosine.
+        let mean = s.len() as f64 / 3_000.0;
+        assert!((mean - 20.0 * 0.5625).abs() < 0.4, "{mean}");
+        assert_eq!(s, daily_schedule(20.0, 0.125, day, usize::MAX, 3));
+    }
 
     #[test]
     fn rate_is_within_tolerance_over_a_long_seeded_run() {

@@ -24,6 +24,10 @@ pub const SHORT_PROMPT_TOKENS: u64 = 8192;
 pub enum Workload {
     Generated(Kind),
     Trace(Arc<Trace>),
+    /// A generated workload whose arrivals follow one compressed day
+    /// ([`crate::arrival::daily_schedule`]): the run's rate is noon's, the night's is this
+    /// share of it.
+    Daily(Kind, f64),
 }
 
 impl Workload {
@@ -31,6 +35,7 @@ impl Workload {
         match self {
             Workload::Generated(k) => k.name(),
             Workload::Trace(_) => "trace",
+            Workload::Daily(k, _) => k.name(),
         }
     }
 
@@ -46,6 +51,14 @@ impl Workload {
             Workload::Generated(Kind::Bursty) => crate::bursty::plan(rate, duration, max, seed),
             Workload::Generated(kind) => {
                 let at: Vec<f64> = poisson_schedule(rate, duration, max, seed)
+                    .iter()
+                    .map(Duration::as_secs_f64)
+                    .collect();
+                let items = generate(*kind, at.len(), seed);
+                (at, items)
+            }
+            Workload::Daily(kind, low) => {
+                let at: Vec<f64> = crate::arrival::daily_schedule(rate, *low, duration, max, seed)
                     .iter()
                     .map(Duration::as_secs_f64)
                     .collect();

@@ -40,6 +40,8 @@ pub struct ReplicaConfig {
     pub block_size: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// Prompt tokens a background (priority above 0) request prefills per step at most.
+    pub background_chunk_tokens: usize,
     pub max_model_len: Option<usize>,
     pub gpu_memory_utilization: f64,
     pub num_gpu_blocks: Option<usize>,
@@ -82,6 +84,7 @@ impl ReplicaConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
+            background_chunk_tokens: 256,
             max_model_len: None,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             num_gpu_blocks: None,
@@ -514,6 +517,7 @@ pub async fn build_server(
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         max_model_len,
         enable_prefix_caching: cfg.enable_prefix_caching,
+        background_chunk_tokens: cfg.background_chunk_tokens,
     };
     let metrics = Arc::new(ReplicaMetrics::new(&cfg.replica_id));
     let hub = Arc::new(KvEventHub::new(cfg.block_size));

@@ -5,7 +5,9 @@
 //! decodes (one token each) before prefill chunks, so a long prompt never stalls the streams
 //! already running — it is sliced into chunks that take what budget the decodes leave (chunked
 //! prefill). Waiting sequences are then admitted in the same order, reusing cached prefix blocks,
-//! while budget, sequence slots and free blocks last. When a running sequence needs a block and
+//! while budget, sequence slots and free blocks last — and before the prefill chunks of running
+//! sequences less important than them, so a batch-priority prompt in progress yields the step's
+//! budget to an interactive arrival (its decodes do not). When a running sequence needs a block and
 //! none is free, the least important running sequence is preempted by recompute: its blocks go
 //! back to the pool (where its prefix stays cached until evicted) and it returns to the waiting
 //! queue to be recomputed later. The scheduler is clock-free; the engine supplies time.
@@ -29,6 +31,10 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
+    /// Prompt tokens a background request (priority above 0: the batch class) prefills per
+    /// step at most (0: no cap), so a step carrying one stays short and an interactive
+    /// arrival waits little for it.
+    pub background_chunk_tokens: usize,
 }
 
 /// What a sequence asks of the engine.
@@ -305,60 +311,13 @@ impl Scheduler {
             s.scheduled = 0;
         }
 
-        // Running sequences: decodes first, then unfinished prefills.
-        for decode_phase in [true, false] {
-            let mut i = 0;
-            while i < self.running.len() && budget > 0 {
-                let s = &self.running[i];
-                let remaining = s.tokens.len() - s.num_computed;
-                if s.scheduled > 0 || (remaining == 1) != decode_phase {
-                    i += 1;
-                    continue;
-                }
-                let n = remaining.min(budget);
-                let need = blocks_for(s.num_computed + n, bs).saturating_sub(s.blocks.len());
-                let mut preempted_self = false;
-                loop {
-                    let fresh = self.pool.lock().allocate(need);
-                    if let Some(fresh) = fresh {
-                        self.running[i].blocks.push(fresh);
-                        break;
-                    }
-                    // Out of blocks: preempt the least important sequence not yet given work
-                    // this step, or this one if it is the least important.
-                    let victim = (i + 1..self.running.len())
-                        .rev()
-                        .find(|&j| self.running[j].scheduled == 0);
-                    match victim {
-                        Some(j) => self.preempt(j, &mut out),
-                        None => {
-                            self.preempt(i, &mut out);
-                            preempted_self = true;
-                            break;
-                        }
-                    }
-                }
-                if preempted_self {
-                    continue;
-                }
-                let s = &mut self.running[i];
-                s.scheduled = n;
-                budget -= n;
-                out.items.push(ScheduledItem {
-                    seq_id: s.req.id,
-                    context: s.num_computed,
-                    num_tokens: n,
-                    samples: s.num_computed + n == s.tokens.len(),
-                    output_index: s.generated(),
-                    seed: s.req.seed,
-                    ignore_eos: s.req.ignore_eos,
-                    tokens: s.tokens[s.num_computed..s.num_computed + n].to_vec(),
-                    block_table: s.blocks.ids().to_vec(),
-                    sampling: s.req.sampling.clone(),
-                });
-                i += 1;
-            }
-        }
+        // Running sequences: decodes first, then unfinished prefills — those of a lower
+        // priority than the most important waiting sequence after it is admitted, so an
+        // interactive arrival's prefill never waits behind a batch prompt's chunks (their
+        // decodes go on; they take what budget the admission leaves).
+        let waiting_best = self.waiting.keys().next().map(|k| k.0);
+        self.run_phase(true, None, &mut budget, &mut out);
+        self.run_phase(false, waiting_best, &mut budget, &mut out);
 
         // Waiting sequences, in priority-then-arrival order; the head blocks those behind it
         // when it does not fit (FCFS), as in vLLM.
@@ -372,7 +331,9 @@ impl Scheduler {
             let max_hit = cacheable_prompt_blocks(total, bs).min(s.hashes.len());
             let hit = pool.lookup_prefix(&s.hashes[..max_hit]);
             let cached = hit.len() * bs;
-            let n = (total - cached).min(budget);
+            let n = (total - cached)
+                .min(budget)
+                .min(chunk_cap(&self.cfg, s.req.priority));
             let need = blocks_for(cached + n, bs) - hit.len();
             let available = pool.num_free() - pool.count_free(&hit);
             if need > available {
@@ -408,7 +369,80 @@ impl Scheduler {
             let seq = entry.remove();
             self.running.push(seq);
         }
+        if waiting_best.is_some() {
+            self.run_phase(false, None, &mut budget, &mut out);
+        }
         out
+    }
+
+    /// Gives running sequences of one phase (decodes, or unfinished prefills) their tokens
+    /// for this step, in priority-then-arrival order, while `budget` lasts; with
+    /// `up_to_priority`, only those at least that important. Preempts by recompute when a
+    /// sequence needs a block and none is free.
+    fn run_phase(
+        &mut self,
+        decode_phase: bool,
+        up_to_priority: Option<i32>,
+        budget: &mut usize,
+        out: &mut SchedulerOutput,
+    ) {
+        let bs = self.cfg.block_size;
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let s = &self.running[i];
+            let remaining = s.tokens.len() - s.num_computed;
+            if s.scheduled > 0
+                || (remaining == 1) != decode_phase
+                || up_to_priority.is_some_and(|p| s.req.priority > p)
+            {
+                i += 1;
+                continue;
+            }
+            let n = remaining
+                .min(*budget)
+                .min(chunk_cap(&self.cfg, s.req.priority));
+            let need = blocks_for(s.num_computed + n, bs).saturating_sub(s.blocks.len());
+            let mut preempted_self = false;
+            loop {
+                let fresh = self.pool.lock().allocate(need);
+                if let Some(fresh) = fresh {
+                    self.running[i].blocks.push(fresh);
+                    break;
+                }
+                // Out of blocks: preempt the least important sequence not yet given work
+                // this step, or this one if it is the least important.
+                let victim = (i + 1..self.running.len())
+                    .rev()
+                    .find(|&j| self.running[j].scheduled == 0);
+                match victim {
+                    Some(j) => self.preempt(j, out),
+                    None => {
+                        self.preempt(i, out);
+                        preempted_self = true;
+                        break;
+                    }
+                }
+            }
+            if preempted_self {
+                continue;
+            }
+            let s = &mut self.running[i];
+            s.scheduled = n;
+            *budget -= n;
+            out.items.push(ScheduledItem {
+                seq_id: s.req.id,
+                context: s.num_computed,
+                num_tokens: n,
+                samples: s.num_computed + n == s.tokens.len(),
+                output_index: s.generated(),
+                seed: s.req.seed,
+                ignore_eos: s.req.ignore_eos,
+                tokens: s.tokens[s.num_computed..s.num_computed + n].to_vec(),
+                block_table: s.blocks.ids().to_vec(),
+                sampling: s.req.sampling.clone(),
+            });
+            i += 1;
+        }
     }
 
     /// Applies a finished step: advances each scheduled sequence, caches newly full blocks and
@@ -484,3 +518,11 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests;
+
+/// The most prompt tokens a sequence of `priority` prefills in one step under `cfg`.
+fn chunk_cap(cfg: &SchedulerConfig, priority: i32) -> usize {
+    match cfg.background_chunk_tokens {
+        n if n > 0 && priority > 0 => n,
+        _ => usize::MAX,
+    }
+}

@@ -83,7 +83,7 @@ impl Batches {
     /// Lines running at once across the fleet for `healthy` replicas.
     pub fn max_in_flight(&self, healthy: usize) -> usize {
         match self.cfg.max_in_flight {
-            0 => 16 * healthy.max(1),
+            0 => 4 * healthy.max(1),
             n => n,
         }
     }

@@ -63,12 +63,15 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64) -> Trough {
             continue;
         };
         out.healthy += 1;
-        if let Some(r) = fleet.replica(slot) {
-            let running = fleet.pressure(slot, Duration::ZERO, 0).running.max(1);
-            steps.extend(r.model.lock().predict_itl(running));
-        }
+        let Some(r) = fleet.replica(slot) else {
+            continue;
+        };
+        let running = fleet.pressure(slot, Duration::ZERO, 0).running.max(1);
+        steps.extend(r.model.lock().predict_itl(running));
         let under = |x: Option<f64>| x.is_none_or(|x| x < headroom);
         if !waiting
+            && parts.queued_prefill_tokens == 0
+            && r.background_prefill_outstanding() == 0
             && !parts.preempting
             && parts.kv < headroom
             && under(parts.ttft)

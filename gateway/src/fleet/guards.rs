@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::fleet::prefill_queue::PrefillQueue;
 use crate::fleet::replica::{Joined, ReplicaHandle};
 
 /// byte arrives (`done`) or it ends.
@@ -13,19 +14,32 @@ pub struct PendingPrefill {
     replica: Arc<ReplicaHandle>,
     /// The request's place in the replica's queue; `None` once answered.
     id: Option<u64>,
+    /// In the replica's background queue (a route with `engine_priority` above 0).
+    background: bool,
 }
 
 impl PendingPrefill {
     /// Adds `tokens` (the uncached part of a prompt whose block hashes are `blocks`), sent
-    /// now; returns the guard and what they find in front of them there.
-    pub fn new(replica: Arc<ReplicaHandle>, tokens: u64, blocks: Arc<[u64]>) -> (Self, Joined) {
+    /// now with the route's `engine_priority`; returns the guard and what they find in front
+    /// of them there. A background request (priority above 0) is queued apart: the replica
+    /// serves foreground prefill first, so it is not ahead of the next interactive request.
+    pub fn new(
+        replica: Arc<ReplicaHandle>,
+        tokens: u64,
+        blocks: Arc<[u64]>,
+        engine_priority: i32,
+    ) -> (Self, Joined) {
         let now = Instant::now();
         let joined = replica.joined(now);
-        let id = replica.prefill.add(tokens, blocks, now, joined.ahead);
+        let background = engine_priority > 0;
+        let id = replica
+            .queue(background)
+            .add(tokens, blocks, now, joined.ahead);
         (
             PendingPrefill {
                 replica,
                 id: Some(id),
+                background,
             },
             joined,
         )
@@ -36,13 +50,25 @@ impl PendingPrefill {
     pub fn unstreamed(&self, cached: u64) {
         if let Some(id) = self.id {
             let fit = self.replica.model.lock().ttft_plane();
-            self.replica.prefill.unstreamed(id, cached, &fit);
+            self.replica
+                .queue(self.background)
+                .unstreamed(id, cached, &fit);
         }
     }
 
     pub fn done(&mut self) {
         if let Some(id) = self.id.take() {
-            self.replica.prefill.done(id, Instant::now());
+            self.replica.queue(self.background).done(id, Instant::now());
+        }
+    }
+}
+
+impl ReplicaHandle {
+    fn queue(&self, background: bool) -> &PrefillQueue {
+        if background {
+            &self.background_prefill
+        } else {
+            &self.prefill
         }
     }
 }

@@ -65,6 +65,10 @@ pub struct ReplicaHandle {
     /// Uncached prompt tokens of our requests sent here that have not shown a first byte, and
     /// how much of them the replica has likely done: the prefill ahead of the next one.
     pub(super) prefill: PrefillQueue,
+    /// The same for background requests (a route with an `engine_priority` above 0, such as
+    /// the batch class): kept apart because the replica prefills them after, and in small
+    /// chunks beside, the foreground work, so they are not in front of an interactive request.
+    pub(super) background_prefill: PrefillQueue,
     /// Prefill the peer gateways sent here and have not seen done, as last heard
     /// (`peers.rs`): admission counts it ahead of a new request.
     pub peer_prefill: AtomicU64,
@@ -131,6 +135,7 @@ impl ReplicaHandle {
             finished: AtomicU64::new(0),
             finished_at_poll: AtomicU64::new(0),
             prefill: PrefillQueue::default(),
+            background_prefill: PrefillQueue::default(),
             peer_prefill: AtomicU64::new(0),
             preemptions: AtomicU64::new(u64::MAX),
             preempted_at_ms: AtomicU64::new(0),
@@ -288,6 +293,14 @@ impl ReplicaHandle {
     pub fn own_prefill_remaining(&self) -> u64 {
         let (overhead_s, seconds_per_token) = self.model.lock().ttft_coefficients();
         self.prefill
+            .remaining(Instant::now(), overhead_s, seconds_per_token)
+    }
+
+    /// Background prompt tokens sent here whose first byte has not come back (nor, for an
+    /// unstreamed answer, its predicted prefill passed).
+    pub fn background_prefill_outstanding(&self) -> u64 {
+        let (overhead_s, seconds_per_token) = self.model.lock().ttft_coefficients();
+        self.background_prefill
             .remaining(Instant::now(), overhead_s, seconds_per_token)
     }
 

@@ -364,7 +364,12 @@ impl Forwarder<'_> {
                 _ => {
                     self.prefix
                         .sent(d.replica, p.blocks(), None, self.fleet.now_s());
-                    PendingPrefill::new(replica.clone(), uncached_tokens, p.hashes.clone())
+                    PendingPrefill::new(
+                        replica.clone(),
+                        uncached_tokens,
+                        p.hashes.clone(),
+                        route.cfg.engine_priority,
+                    )
                 }
             };
             let cached_tokens = (p.prompt_tokens as u64).saturating_sub(uncached_tokens);

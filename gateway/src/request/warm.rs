@@ -77,7 +77,12 @@ impl Warmer<'_> {
             .map_or(0, |s| s.matched_blocks);
         let uncached = uncached_tokens(p.prompt_tokens, matched, p.block_size);
         self.prefix.sent(slot, p.blocks(), None, self.fleet.now_s());
-        let (pending, _) = PendingPrefill::new(replica.clone(), uncached, p.hashes.clone());
+        let (pending, _) = PendingPrefill::new(
+            replica.clone(),
+            uncached,
+            p.hashes.clone(),
+            route.cfg.engine_priority,
+        );
         let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
         let counters = route.rt.stats.warms(reason.label());
         let client = self.fleet.client().clone();

@@ -81,6 +81,7 @@ pub fn replica_parts(
         ttft,
         itl,
         preempting: p.preempting,
+        queued_prefill_tokens: p.queued_prefill_tokens,
     })
 }
 
@@ -91,6 +92,8 @@ pub struct ReplicaParts {
     pub ttft: Option<f64>,
     pub itl: Option<f64>,
     pub preempting: bool,
+    /// Uncached prompt tokens queued ahead of a new request.
+    pub queued_prefill_tokens: u64,
 }
 
 /// `route`'s promises as [`replica_parts`] reads them: the TTFT and inter-token targets in

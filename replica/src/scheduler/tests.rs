@@ -10,6 +10,7 @@ fn cfg(num_blocks: usize) -> SchedulerConfig {
         max_num_batched_tokens: 64,
         max_model_len: 100_000,
         enable_prefix_caching: true,
+        background_chunk_tokens: 0,
     }
 }
 
@@ -211,6 +212,7 @@ fn chunked_prefill_keeps_every_decode_progressing() {
         num_blocks: 20_000,
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
+        background_chunk_tokens: 0,
         max_model_len: 131_072,
         enable_prefix_caching: true,
     });
@@ -275,4 +277,45 @@ fn chunked_prefill_keeps_every_decode_progressing() {
 fn cost(roof: &Roofline, out: &SchedulerOutput) -> f64 {
     let items: Vec<WorkItem> = out.items.iter().map(ScheduledItem::work).collect();
     roof.step_cost(&items).seconds
+}
+
+#[test]
+fn a_more_important_arrival_prefills_ahead_of_a_less_important_prompt_in_progress() {
+    // Budget 64 tokens a step; a 200-token batch prompt is chunked over several steps.
+    let mut s = Scheduler::new(cfg(256));
+    let mut batch = req(1, (0..200).collect(), 1);
+    batch.priority = 1;
+    s.add(batch).unwrap();
+    let (first, _) = step(&mut s);
+    assert_eq!(first.items[0].num_tokens, 64);
+    // An interactive request arrives mid-prompt: the next step is its whole prefill first.
+    s.add(req(2, (1000..1040).collect(), 1)).unwrap();
+    let (next, _) = step(&mut s);
+    assert_eq!(next.items[0].seq_id, 2, "{:?}", next.items);
+    assert_eq!(next.items[0].num_tokens, 40);
+    // The batch prompt takes what is left of the budget, and goes on after.
+    assert_eq!(next.items[1].seq_id, 1);
+    assert_eq!(next.items[1].num_tokens, 24);
+    // With equal priorities the prompt in progress keeps its place (FCFS as before).
+    let mut s = Scheduler::new(cfg(256));
+    s.add(req(1, (0..200).collect(), 1)).unwrap();
+    step(&mut s);
+    s.add(req(2, (1000..1040).collect(), 1)).unwrap();
+    let (next, _) = step(&mut s);
+    assert_eq!((next.items[0].seq_id, next.items[0].num_tokens), (1, 64));
+}
+
+#[test]
+fn a_background_prompt_prefills_in_small_chunks() {
+    let mut c = cfg(256);
+    c.background_chunk_tokens = 16;
+    let mut s = Scheduler::new(c);
+    let mut batch = req(1, (0..40).collect(), 1);
+    batch.priority = 1;
+    s.add(batch).unwrap();
+    s.add(req(2, (100..140).collect(), 1)).unwrap();
+    let (out, _) = step(&mut s);
+    let tokens: Vec<_> = out.items.iter().map(|i| (i.seq_id, i.num_tokens)).collect();
+    // The interactive prompt takes the budget it needs; the background one at most 16.
+    assert_eq!(tokens, [(2, 40), (1, 16)]);
 }
