@@ -155,6 +155,7 @@ pub async fn serve_gateway(
         .await
         .with_context(|| format!("cannot listen on {}", cfg.admin_listen))?;
     let models: Vec<String> = cfg.served_models().iter().map(|m| m.name.clone()).collect();
+    let batch_db = cfg.batch.path.clone();
     let server = gateway::build_gateway(cfg, listener, admin).await?;
     let (addr, admin_addr) = (server.local_addr(), server.admin_addr());
     let registry = server.state().fleet.clone();
@@ -190,6 +191,9 @@ pub async fn serve_gateway(
             ready["kv_events_followed"],
             ready["kv_events_expected"],
         );
+    }
+    if let Some(db) = &batch_db {
+        println!("  Batch API: http://{addr}/v1/files and /v1/batches (database {db})");
     }
     if models.len() > 1 {
         println!(

@@ -81,8 +81,9 @@ pub struct ReplicaArgs {
     /// Token budget of one engine step (chunked prefill slices prompts to fit it).
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
-    /// Prompt tokens a background request (body `priority` above 0, e.g. kvgate's batch
-    /// route) prefills per step at most, so interactive arrivals wait little behind it (0: no cap).
+    /// Prompt tokens a request prefills per step at most while a more important one (a lower
+    /// body `priority`, e.g. interactive work beside kvgate's batch route) is present, so
+    /// interactive arrivals wait little behind it (0: no cap).
     #[arg(long, default_value_t = 256)]
     pub background_chunk_tokens: usize,
     /// Longest prompt + completion in tokens (default: the model's native context, capped by the KV cache).

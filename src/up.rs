@@ -57,6 +57,23 @@ pub(crate) struct UpArgs {
     /// this CPU (its own routes with CPU promises); a request's `model` picks the fleet.
     #[arg(long)]
     also: Option<String>,
+    /// The Batch API's database (default: a new file in the system's temporary folder; name
+    /// a file to keep batches across restarts).
+    #[arg(long)]
+    batch_db: Option<PathBuf>,
+}
+
+/// Where `kvgate up`'s gateway keeps its batches.
+fn batch_db(a: &UpArgs) -> String {
+    a.batch_db
+        .clone()
+        .unwrap_or_else(|| {
+            std::env::temp_dir()
+                .join(format!("kvgate-up-{}", std::process::id()))
+                .join("batch.sqlite3")
+        })
+        .display()
+        .to_string()
 }
 
 /// The default real model for the cpu backend, relative to the checkout.
@@ -414,6 +431,7 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
     cfg.model.tokenizer_dir = Some(tokenizer.display().to_string());
     cfg.model.name = fleet.served_model_name.clone();
     cfg.auth.fleet_token = Some(fleet_token);
+    cfg.batch.path = Some(batch_db(&a));
     match &also {
         None => apply_policy(&a, policy, &mut cfg, fleet.embedded_policy, |_| {})?,
         Some((_, second)) => {
@@ -485,6 +503,7 @@ async fn run_up_vllm(a: UpArgs) -> Result<()> {
     cfg.model.tokenizer_dir = Some(model_dir.display().to_string());
     cfg.model.name = crate::vllm_fleet::SERVED_MODEL.into();
     cfg.model.block_size = crate::vllm_fleet::BLOCK_SIZE;
+    cfg.batch.path = Some(batch_db(&a));
     // A CPU engine keeps CPU promises, and vLLM's cached_tokens are exact.
     apply_policy(&a, policy, &mut cfg, config::routes::CPU_POLICY, |file| {
         file.hit_signals = config::HitSignals::Exact;

@@ -11,11 +11,12 @@
 //! retention_h = 168              # finished batches and their files are deleted after this
 //! headroom = 0.7                 # a replica takes batch lines while its interactive signals
 //!                                # stay under this share of the promise (see DESIGN)
-//! max_in_flight = 0              # batch lines running at once; 0: 4 per healthy replica
+//! max_in_flight = 0              # batch lines this gateway runs at once; 0: 4 per healthy replica
 //! lease_s = 30                   # several gateways on one database: a batch is run by one
 //!                                # of them at a time, taken over when its lease runs out
-//! node_id = "gw-1"               # this gateway's name in the leases (default: host and the
-//!                                # API address, so a restarted gateway takes its jobs back)
+//! node_id = "gw-1"               # this gateway's name in the leases, unique per gateway
+//!                                # (default: host and the API address, so a gateway
+//!                                # restarted in place takes its jobs back)
 //! ```
 
 use serde::Deserialize;
@@ -42,7 +43,7 @@ pub struct BatchConfig {
     /// predicted signals must stay under for it to take a new batch line.
     #[serde(default = "default_headroom")]
     pub headroom: f64,
-    /// Batch lines in flight at once across the fleet; 0: four per healthy replica (16 put
+    /// Batch lines this gateway runs at once; 0: four per healthy replica (16 put
     /// the interactive p95 TTFT at 2.5–7× its batch-free value on the bench's L4 fleet, 4 at
     /// 1.2×: BENCHMARKS).
     #[serde(default)]
@@ -50,7 +51,8 @@ pub struct BatchConfig {
     /// Seconds a gateway's claim on a batch lasts unless renewed (every third of it).
     #[serde(default = "default_lease")]
     pub lease_s: u64,
-    /// This gateway's name in the leases (default: the host name and the API address).
+    /// This gateway's name in the leases, unique per gateway: two gateways with one name
+    /// would both run each batch (default: the host name and the API address).
     #[serde(default)]
     pub node_id: Option<String>,
 }

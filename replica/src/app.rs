@@ -40,7 +40,7 @@ pub struct ReplicaConfig {
     pub block_size: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
-    /// Prompt tokens a background (priority above 0) request prefills per step at most.
+    /// Prompt tokens a request prefills per step at most while a more important one is present.
     pub background_chunk_tokens: usize,
     pub max_model_len: Option<usize>,
     pub gpu_memory_utilization: f64,

@@ -7,7 +7,8 @@
 //! prefill). Waiting sequences are then admitted in the same order, reusing cached prefix blocks,
 //! while budget, sequence slots and free blocks last — and before the prefill chunks of running
 //! sequences less important than them, so a batch-priority prompt in progress yields the step's
-//! budget to an interactive arrival (its decodes do not). When a running sequence needs a block and
+//! budget to an interactive arrival (its decodes do not); while more important work is present
+//! a less important prompt prefills at most `background_chunk_tokens` a step. When a running sequence needs a block and
 //! none is free, the least important running sequence is preempted by recompute: its blocks go
 //! back to the pool (where its prefix stays cached until evicted) and it returns to the waiting
 //! queue to be recomputed later. The scheduler is clock-free; the engine supplies time.
@@ -31,9 +32,9 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
-    /// Prompt tokens a background request (priority above 0: the batch class) prefills per
-    /// step at most (0: no cap), so a step carrying one stays short and an interactive
-    /// arrival waits little for it.
+    /// Prompt tokens a request prefills per step at most while a more important one is
+    /// present (a batch-class prompt beside interactive work; 0: no cap), so a step carrying
+    /// it stays short and an interactive arrival waits little for it.
     pub background_chunk_tokens: usize,
 }
 
@@ -180,6 +181,8 @@ pub struct Scheduler {
     running: Vec<Sequence>,
     next_arrival: u64,
     preemptions: u64,
+    /// The most important priority among the sequences at the last plan.
+    best_present: i32,
 }
 
 fn blocks_for(tokens: usize, block_size: usize) -> usize {
@@ -198,6 +201,7 @@ impl Scheduler {
             pool,
             waiting: BTreeMap::new(),
             running: Vec::new(),
+            best_present: 0,
             next_arrival: 0,
             preemptions: 0,
         }
@@ -316,6 +320,15 @@ impl Scheduler {
         // interactive arrival's prefill never waits behind a batch prompt's chunks (their
         // decodes go on; they take what budget the admission leaves).
         let waiting_best = self.waiting.keys().next().map(|k| k.0);
+        // The most important priority present: prompts less important than it prefill in
+        // small chunks (`background_chunk_tokens`).
+        self.best_present = self
+            .running
+            .iter()
+            .map(|s| s.req.priority)
+            .chain(waiting_best)
+            .min()
+            .unwrap_or(0);
         self.run_phase(true, None, &mut budget, &mut out);
         self.run_phase(false, waiting_best, &mut budget, &mut out);
 
@@ -331,9 +344,11 @@ impl Scheduler {
             let max_hit = cacheable_prompt_blocks(total, bs).min(s.hashes.len());
             let hit = pool.lookup_prefix(&s.hashes[..max_hit]);
             let cached = hit.len() * bs;
-            let n = (total - cached)
-                .min(budget)
-                .min(chunk_cap(&self.cfg, s.req.priority));
+            let n = (total - cached).min(budget).min(chunk_cap(
+                &self.cfg,
+                s.req.priority,
+                self.best_present,
+            ));
             let need = blocks_for(cached + n, bs) - hit.len();
             let available = pool.num_free() - pool.count_free(&hit);
             if need > available {
@@ -398,9 +413,10 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let n = remaining
-                .min(*budget)
-                .min(chunk_cap(&self.cfg, s.req.priority));
+            let n =
+                remaining
+                    .min(*budget)
+                    .min(chunk_cap(&self.cfg, s.req.priority, self.best_present));
             let need = blocks_for(s.num_computed + n, bs).saturating_sub(s.blocks.len());
             let mut preempted_self = false;
             loop {
@@ -519,10 +535,11 @@ impl Scheduler {
 #[cfg(test)]
 mod tests;
 
-/// The most prompt tokens a sequence of `priority` prefills in one step under `cfg`.
-fn chunk_cap(cfg: &SchedulerConfig, priority: i32) -> usize {
+/// The most prompt tokens a sequence of `priority` prefills in one step under `cfg`, while
+/// the most important priority present is `best`.
+fn chunk_cap(cfg: &SchedulerConfig, priority: i32, best: i32) -> usize {
     match cfg.background_chunk_tokens {
-        n if n > 0 && priority > 0 => n,
+        n if n > 0 && priority > best => n,
         _ => usize::MAX,
     }
 }

@@ -53,11 +53,9 @@ async fn the_openai_sdk_runs_a_batch_and_tenants_cannot_see_each_other() {
     for check in ["roundtrip ok", "isolation ok", "malformed ok", "cancel ok"] {
         assert!(stdout.contains(check), "{check}:\n{stdout}");
     }
+    // 6 round-trip lines and the cancelled batch's finished ones.
     let m = gw.metrics_text().await;
-    assert!(
-        m.contains("kvgate_batch_lines_total{outcome=\"completed\"}"),
-        "{m}"
-    );
+    assert!(completed_lines(&m) >= 7.0, "{m}");
     // The lines were batch-class requests on the replicas.
     assert!(gw.metric("kvgate_batch_generated_tokens_total").await >= 6.0 * 8.0);
 }
@@ -266,24 +264,144 @@ async fn a_second_gateway_on_the_database_takes_over_a_dead_ones_batch() {
     assert_eq!(seen["status"], "in_progress", "{seen}");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let metrics = |admin: u16| async move {
-        reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        let text = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
             .await
             .unwrap()
             .text()
             .await
-            .unwrap()
+            .unwrap();
+        completed_lines(&text)
     };
-    assert!(
-        !metrics(ab)
-            .await
-            .contains("kvgate_batch_lines_total{outcome=\"completed\"}"),
-        "B ran a line A holds"
-    );
+    assert_eq!(metrics(ab).await, 0.0, "B ran a line A holds");
     let before = wait_completed(&base_a, &id, 6).await;
     a.kill().await.unwrap(); // SIGKILL: A's lease runs out in 3 s
     assert!((before as usize) < LINES);
     wait_output(&base_b, &id, LINES).await;
-    assert!(metrics(ab)
+    assert!(metrics(ab).await > 0.0, "B ran the rest");
+}
+
+/// `kvgate_batch_lines_total{outcome="completed"}` in a `/metrics` text (0 when absent).
+fn completed_lines(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvgate_batch_lines_total{outcome=\"completed\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Uploads `body` lines as a batch on the in-process gateway `gw`; the batch's id.
+async fn submit_to(gw: &common::Gateway, lines: &[Value]) -> String {
+    let content: Vec<String> = lines.iter().map(Value::to_string).collect();
+    let (ct, body) = multipart(&content.join("\n"));
+    let f: Value = gw
+        .client
+        .post(format!("{}/v1/files", gw.base))
+        .header("content-type", ct)
+        .body(body)
+        .send()
         .await
-        .contains("kvgate_batch_lines_total{outcome=\"completed\"}"));
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let b: Value = gw
+        .client
+        .post(format!("{}/v1/batches", gw.base))
+        .json(
+            &json!({"input_file_id": f["id"], "endpoint": "/v1/completions",
+                      "completion_window": "1h"}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    b["id"].as_str().expect("a batch id").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_batch_line_starts_while_an_interactive_request_waits() {
+    let dir = scratch("trough");
+    // A slow replica (each step takes 20× its roofline time) and an interactive route that
+    // takes one request at a time, so a second one waits in the gateway's queue.
+    let rep = start_replica(|c| c.time_scale = 20.0).await;
+    let gw = start_gateway(&[&rep], |c| {
+        c.batch.path = Some(dir.join("batch.sqlite3").display().to_string());
+        let routes = "[[routes]]\nname = \"batch\"\npriority = \"batch\"\nengine_priority = 10\n\
+                      [[routes]]\nname = \"interactive\"\nmax_concurrency = 1\nqueue_size = 8\n\
+                      queue_timeout_ms = 60000\n";
+        c.embedded_policy = Some(config::PolicyFile::from_toml(routes, &c.replicas).unwrap());
+    })
+    .await;
+    let long = json!({"model": "Qwen3-8B", "prompt": "Tell me a long story.",
+                      "max_tokens": 20, "ignore_eos": true});
+    let (c1, c2) = (gw.client.clone(), gw.client.clone());
+    let url = format!("{}/v1/completions", gw.base);
+    let (u1, u2, b1, b2) = (url.clone(), url, long.clone(), long);
+    let first = tokio::spawn(async move { c1.post(u1).json(&b1).send().await.unwrap().status() });
+    // The second waits in the interactive route's queue until the first is done.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let interactive = |name: &'static str| {
+        let gw = &gw;
+        async move { route_series(&gw.metrics_text().await, name, "route=\"interactive\"") }
+    };
+    while interactive("kvgate_gateway_route_in_flight").await < 1.0 {
+        assert!(Instant::now() < deadline, "the first request never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = tokio::spawn(async move { c2.post(u2).json(&b2).send().await.unwrap().status() });
+    while interactive("kvgate_gateway_route_queue_depth").await < 1.0 {
+        assert!(Instant::now() < deadline, "the second request never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let lines: Vec<Value> = (0..4)
+        .map(|i| {
+            json!({"custom_id": format!("b{i}"), "method": "POST", "url": "/v1/completions",
+                   "body": {"model": "Qwen3-8B", "prompt": "Classify this.", "max_tokens": 2}})
+        })
+        .collect();
+    let id = submit_to(&gw, &lines).await;
+    // While the interactive request waits, the runner looks many times and starts nothing.
+    while interactive("kvgate_gateway_route_queue_depth").await >= 1.0 {
+        let b = batch(&gw.base, &id).await;
+        assert_eq!(b["request_counts"]["completed"], 0, "a line ran: {b}");
+        let running = gw
+            .metrics_text()
+            .await
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("kvgate_batch_lines{state=\"running\"} ")
+                    .map(|v| v.trim().parse::<f64>().unwrap())
+            })
+            .unwrap_or(0.0);
+        assert_eq!(
+            running, 0.0,
+            "a batch line started beside a waiting request"
+        );
+        assert!(Instant::now() < deadline, "the queue never drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(second.await.unwrap(), 200);
+    // Then the trough opens and the batch runs.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let b = batch(&gw.base, &id).await;
+        if b["status"] == "completed" {
+            assert_eq!(b["request_counts"]["completed"], 4, "{b}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the batch never ran: {b}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The sum of `name`'s samples whose labels contain `label`.
+fn route_series(metrics: &str, name: &str, label: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

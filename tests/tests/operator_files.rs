@@ -27,6 +27,16 @@ async fn alert_rules_and_dashboard_use_exported_metric_names() {
         c.cost.gpu_hour_usd = Some(2.0);
         c.cost.managed_usd_per_mtok = Some(0.5);
         c.peers.addrs = vec!["127.0.0.1:1".into()];
+        // The Batch API on, so its series exist too.
+        c.batch.path = Some(
+            std::env::temp_dir()
+                .join(format!(
+                    "kvgate-operator-files-{}.sqlite3",
+                    std::process::id()
+                ))
+                .display()
+                .to_string(),
+        );
     })
     .await;
     // Traffic, so every labelled series exists.

@@ -76,15 +76,17 @@ fn query<'a>(q: Option<&'a str>, key: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-fn page(q: Option<&str>) -> Result<usize, ApiError> {
+/// The page size asked for: `default` when none, at most `max` (OpenAI's: 10,000 files,
+/// 100 batches).
+fn page(q: Option<&str>, default: usize, max: usize) -> Result<usize, ApiError> {
     match query(q, "limit") {
-        None => Ok(PAGE),
+        None => Ok(default),
         Some(v) => v
             .parse::<usize>()
             .ok()
-            .filter(|n| (1..=MAX_PAGE).contains(n))
+            .filter(|n| (1..=max).contains(n))
             .ok_or_else(|| {
-                ApiError::invalid_request(format!("limit must be between 1 and {MAX_PAGE}"))
+                ApiError::invalid_request(format!("limit must be between 1 and {max}"))
                     .with_param("limit")
             }),
     }
@@ -166,8 +168,18 @@ pub async fn handle(state: &GatewayState, session: &mut Session, grant: Option<G
     };
     match result {
         Ok((status, v)) => json(session, status, &v).await,
+        // The openai SDKs retry 409, 429 and 5xx unless told not to; these cannot succeed
+        // by retrying (a finished batch, the tenant's batch limit, a full database).
+        Err(e) if matches!(e.status, 409 | 507) || e.status == 429 => {
+            let headers = [("x-should-retry", "false".to_string())];
+            respond(session, e.status, Bytes::from(e.to_json()), &headers).await
+        }
         Err(e) => respond_error(session, &e).await,
     }
+}
+
+fn busy() -> ApiError {
+    ApiError::unavailable("the gateway is shutting down; retry on another instance")
 }
 
 type Answer = Result<(u16, Value), ApiError>;
@@ -180,6 +192,8 @@ async fn upload(
     tenant: String,
 ) -> Answer {
     need_batch_class(grant)?;
+    // A few uploads at a time: each holds its whole body, and checking it is CPU work.
+    let _permit = b.heavy.acquire().await.map_err(|_| busy())?;
     let content_type = session
         .req_header()
         .headers
@@ -207,7 +221,10 @@ async fn upload(
     if file.data.len() > limit {
         return Err(ApiError::payload_too_large(limit));
     }
-    jsonl::parse(&file.data, b.cfg.max_lines)?;
+    let (data, max_lines) = (file.data.clone(), b.cfg.max_lines);
+    tokio::task::spawn_blocking(move || jsonl::parse(&data, max_lines).map(drop))
+        .await
+        .map_err(|_| busy())??;
     let now = now_s();
     let row = FileRow {
         id: objects::new_id("file-"),
@@ -226,13 +243,7 @@ async fn upload(
     let r = row.clone();
     let stored = b
         .store
-        .call(move |s| {
-            if s.bytes_used()? + data.len() as u64 > max_disk {
-                return Ok(false);
-            }
-            s.insert_file(&r, &data)?;
-            Ok(true)
-        })
+        .call(move |s| s.insert_file(&r, &data, max_disk))
         .await
         .map_err(store_error)?;
     if !stored {
@@ -250,7 +261,7 @@ async fn upload(
 }
 
 async fn list_files(b: &Batches, tenant: String, q: Option<&str>) -> Answer {
-    let limit = page(q)?;
+    let limit = page(q, 10_000, 10_000)?;
     let purpose = query(q, "purpose").map(str::to_string);
     let after = query(q, "after").map(str::to_string);
     let rows = b
@@ -264,7 +275,7 @@ async fn list_files(b: &Batches, tenant: String, q: Option<&str>) -> Answer {
 }
 
 async fn list_batches(b: &Batches, tenant: String, q: Option<&str>) -> Answer {
-    let limit = page(q)?;
+    let limit = page(q, PAGE, MAX_PAGE)?;
     let after = query(q, "after").map(str::to_string);
     let rows = b
         .store
@@ -293,6 +304,7 @@ async fn create(
     tenant: String,
 ) -> Answer {
     need_batch_class(grant)?;
+    let _permit = b.heavy.acquire().await.map_err(|_| busy())?;
     let body = read_within(session, MAX_JSON_BYTES, state.body_timeout, &state.metrics).await?;
     let req: CreateBody = serde_json::from_slice(&body)
         .map_err(|e| ApiError::invalid_request(format!("invalid batch request: {e}")))?;
@@ -320,23 +332,16 @@ async fn create(
         }
     }
     let (t, id) = (tenant.clone(), req.input_file_id.clone());
-    let (file, unfinished) = b
+    let content = b
         .store
-        .call(move |s| Ok((s.file_content(&t, &id)?, s.unfinished_of(&t)?)))
+        .call(move |s| s.file_content(&t, &id))
         .await
-        .map_err(store_error)?;
-    let content = file.ok_or_else(|| not_found("File", &req.input_file_id))?;
-    if unfinished >= b.cfg.max_jobs_per_tenant {
-        return Err(ApiError::new(
-            429,
-            "rate_limit_exceeded",
-            format!(
-                "this tenant has {unfinished} unfinished batches, the most it may have (batch.max_jobs_per_tenant)"
-            ),
-        )
-        .with_code("too_many_batches"));
-    }
-    let lines = jsonl::parse(&content, b.cfg.max_lines)?;
+        .map_err(store_error)?
+        .ok_or_else(|| not_found("File", &req.input_file_id))?;
+    let max_lines = b.cfg.max_lines;
+    let lines = tokio::task::spawn_blocking(move || jsonl::parse(&content, max_lines))
+        .await
+        .map_err(|_| busy())??;
     let catalog = state.models.load();
     for l in &lines {
         if l.url != req.endpoint {
@@ -346,14 +351,11 @@ async fn create(
             ))
             .with_code("invalid_batch_line"));
         }
-        let model = serde_json::from_slice::<Value>(&l.stored.body)
-            .ok()
-            .and_then(|v| v["model"].as_str().map(str::to_string))
-            .unwrap_or_default();
-        if catalog.find(&model).is_none() {
+        if catalog.find(&l.model).is_none() {
             return Err(ApiError::invalid_request(format!(
-                "line {} of the batch file: model {model:?} is not served here (served: {})",
+                "line {} of the batch file: model {:?} is not served here (served: {})",
                 l.line_no,
+                l.model,
                 catalog.names().join(", ")
             ))
             .with_code("invalid_batch_line"));
@@ -384,11 +386,22 @@ async fn create(
         metadata: req.metadata.map(|m| Value::Object(m).to_string()),
     };
     let stored: Vec<_> = lines.into_iter().map(|l| l.stored).collect();
-    let r = row.clone();
-    b.store
-        .call(move |s| s.create_batch(&r, &stored))
+    let (r, max_jobs) = (row.clone(), b.cfg.max_jobs_per_tenant);
+    if let Err(unfinished) = b
+        .store
+        .call(move |s| s.create_batch(&r, &stored, max_jobs))
         .await
-        .map_err(store_error)?;
+        .map_err(store_error)?
+    {
+        return Err(ApiError::new(
+            429,
+            "rate_limit_exceeded",
+            format!(
+                "this tenant has {unfinished} unfinished batches, the most it may have (batch.max_jobs_per_tenant)"
+            ),
+        )
+        .with_code("too_many_batches"));
+    }
     b.wake.notify_one();
     tracing::info!(batch = %row.id, lines = row.total, window = %row.completion_window, "batch created");
     Ok((200, row.to_json()))

@@ -17,6 +17,8 @@ pub const ENDPOINTS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 pub struct InputLine {
     pub line_no: usize,
     pub url: String,
+    /// The model its body names.
+    pub model: String,
     pub stored: StoredLine,
 }
 
@@ -35,6 +37,8 @@ pub fn parse(content: &[u8], max_lines: usize) -> Result<Vec<InputLine>, ApiErro
             + 1;
         at(line_no, "not UTF-8")
     })?;
+    // A byte-order mark some editors write is not part of the first line.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     let mut out = Vec::new();
     for (i, raw) in text.split('\n').enumerate() {
@@ -90,9 +94,13 @@ pub fn parse(content: &[u8], max_lines: usize) -> Result<Vec<InputLine>, ApiErro
             .get("body")
             .and_then(Value::as_object)
             .ok_or_else(|| at(line_no, "`body` must be a JSON object (the request)"))?;
-        if !body.get("model").is_some_and(Value::is_string) {
+        let Some(model) = body
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+        else {
             return Err(at(line_no, "the body must name its `model`"));
-        }
+        };
         if body.get("stream").and_then(Value::as_bool) == Some(true) {
             return Err(at(
                 line_no,
@@ -103,6 +111,7 @@ pub fn parse(content: &[u8], max_lines: usize) -> Result<Vec<InputLine>, ApiErro
         out.push(InputLine {
             line_no,
             url,
+            model,
             stored: StoredLine {
                 idx: out.len() as i64,
                 custom_id,
@@ -143,6 +152,9 @@ mod tests {
         assert_eq!((lines[1].line_no, lines[1].stored.idx), (3, 1));
         assert_eq!(lines[1].stored.custom_id, "b");
         assert_eq!(lines[0].url, "/v1/chat/completions");
+        assert_eq!(lines[0].model, "m");
+        let bom = format!("\u{feff}{}", line("a"));
+        assert_eq!(parse(bom.as_bytes(), 10).unwrap().len(), 1);
     }
 
     #[test]

@@ -43,6 +43,8 @@ pub struct Batches {
     pub wake: tokio::sync::Notify,
     /// This gateway's name in the batches' leases (`store/lease.rs`).
     pub node_id: String,
+    /// Uploads and creations in progress at once (each holds a whole file and checks it).
+    pub heavy: tokio::sync::Semaphore,
 }
 
 impl Batches {
@@ -71,6 +73,7 @@ impl Batches {
             store,
             wake: tokio::sync::Notify::new(),
             node_id,
+            heavy: tokio::sync::Semaphore::new(2),
         })))
     }
 

@@ -218,13 +218,13 @@ pub fn list(items: Vec<Value>, has_more: bool) -> Value {
 /// A completion window: OpenAI's `24h`, or any whole number of hours or minutes (`1h`,
 /// `30m`) for shorter jobs; its length in seconds.
 pub fn window_seconds(w: &str) -> Option<i64> {
-    let (n, unit) = w.split_at(w.len().checked_sub(1)?);
+    let (n, unit) = match (w.strip_suffix('h'), w.strip_suffix('m')) {
+        (Some(n), _) => (n, 3600),
+        (_, Some(n)) => (n, 60),
+        _ => return None,
+    };
     let n: i64 = n.parse().ok().filter(|n| *n > 0)?;
-    match unit {
-        "h" if n <= 24 * 7 => Some(n * 3600),
-        "m" if n <= 24 * 7 * 60 => Some(n * 60),
-        _ => None,
-    }
+    (n.checked_mul(unit)? <= 7 * 24 * 3600).then_some(n * unit)
 }
 
 #[cfg(test)]
@@ -243,7 +243,19 @@ mod tests {
     fn windows_are_hours_or_minutes() {
         assert_eq!(window_seconds("24h"), Some(86_400));
         assert_eq!(window_seconds("30m"), Some(1_800));
-        for bad in ["", "h", "0h", "24", "1d", "-1h", "9999h"] {
+        for bad in [
+            "",
+            "h",
+            "0h",
+            "24",
+            "1d",
+            "-1h",
+            "9999h",
+            "1\u{e9}",
+            "24\u{447}",
+            "\u{20ac}",
+            "99999999999999999h",
+        ] {
             assert_eq!(window_seconds(bad), None, "{bad}");
         }
     }

@@ -20,7 +20,7 @@ use config::{Grant, Priority};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::batch::objects::{answered_line, now_s, BatchRow, Status};
+use crate::batch::objects::{answered_line, error_line, now_s, BatchRow, Status};
 use crate::batch::store::{Ending, Store, StoreError};
 use crate::batch::{line, trough, Batches};
 use crate::state::GatewayState;
@@ -29,6 +29,8 @@ use crate::state::GatewayState;
 const MAX_ATTEMPTS: u32 = 3;
 /// A batch whose line was put back waits this long before its next one.
 const COOLDOWN: Duration = Duration::from_secs(1);
+/// Tries at writing a batch's files before it is marked failed.
+const MAX_FINALIZE: u32 = 5;
 /// How often finished batches and old files are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(600);
 /// How often the database's size is read for its gauge.
@@ -40,6 +42,9 @@ struct Job {
     running: usize,
     attempts: HashMap<i64, u32>,
     cooldown_until: Option<Instant>,
+    /// Failed attempts to finalise, and when the next may be made.
+    finalize_failures: u32,
+    finalize_after: Option<Instant>,
 }
 
 impl Job {
@@ -50,8 +55,12 @@ impl Job {
         })
     }
 
+    /// Why no more of its lines start: a cancel, or its window passed (a batch with every
+    /// line done is completed, whatever the clock says).
     fn stopping(&self, now: i64) -> Option<Ending> {
-        if self.row.status == Status::Cancelling {
+        if self.pending.is_empty() {
+            None
+        } else if self.row.status == Status::Cancelling {
             Some(Ending::Cancelled)
         } else if now >= self.row.expires_at {
             Some(Ending::Expired)
@@ -93,6 +102,18 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
     let mut last_size: Option<Instant> = None;
     let mut last_claim: Option<Instant> = None;
     let (lease, renew_every) = b.lease();
+    let mut pace = Pace::default();
+    if let Some(st) = state.upgrade() {
+        // Exported from the start, so dashboards and alerts see the series at 0.
+        for outcome in ["completed", "failed", "retried"] {
+            st.metrics
+                .counter("kvgate_batch_lines_total", &[("outcome", outcome)])
+                .increment(0);
+        }
+        st.metrics
+            .counter("kvgate_batch_generated_tokens_total", &[])
+            .increment(0);
+    }
     loop {
         let Some(st) = state.upgrade() else { return };
         let m = &st.metrics;
@@ -104,12 +125,12 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
             }
         }
         while let Ok(r) = rx.try_recv() {
-            apply(&mut jobs, r, m);
+            apply(&mut jobs, r, m, &mut pace);
         }
-        finish(&b.store, &mut jobs).await;
+        finish(&b, &mut jobs).await;
         if last_sweep.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
             last_sweep = Some(Instant::now());
-            sweep(&b).await;
+            sweep(&b);
         }
         let look = trough::look(&st.policies.load(), &st.fleet, b.cfg.headroom);
         let running: usize = jobs.iter().map(|j| j.running).sum();
@@ -148,7 +169,7 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
                 tx.clone(),
             ));
         }
-        gauges(&jobs, m);
+        gauges(&jobs, m, &pace);
         if last_size.is_none_or(|t| t.elapsed() >= SIZE_EVERY) {
             last_size = Some(Instant::now());
             if let Ok(bytes) = b.store.call(|s| s.bytes_used()).await {
@@ -162,7 +183,7 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
             _ = b.wake.notified() => reload = true,
             Some(r) = rx.recv() => {
                 if let Some(st) = state.upgrade() {
-                    apply(&mut jobs, r, &st.metrics);
+                    apply(&mut jobs, r, &st.metrics, &mut pace);
                 }
             }
         }
@@ -197,18 +218,21 @@ async fn sync(b: &Batches, lease: Duration, jobs: &mut Vec<Job>) -> Result<(), S
             running: 0,
             attempts: HashMap::new(),
             cooldown_until: None,
+            finalize_failures: 0,
+            finalize_after: None,
         });
     }
     Ok(())
 }
 
-fn apply(jobs: &mut [Job], r: Report, m: &crate::metrics::GatewayMetrics) {
+fn apply(jobs: &mut [Job], r: Report, m: &crate::metrics::GatewayMetrics, pace: &mut Pace) {
     let Some(job) = jobs.iter_mut().find(|j| j.row.id == r.batch) else {
         return;
     };
     job.running = job.running.saturating_sub(1);
     match r.outcome {
         Outcome::Done { ok, tokens } => {
+            pace.note(Instant::now());
             let outcome = if ok { "completed" } else { "failed" };
             m.counter("kvgate_batch_lines_total", &[("outcome", outcome)])
                 .increment(1);
@@ -233,47 +257,107 @@ fn apply(jobs: &mut [Job], r: Report, m: &crate::metrics::GatewayMetrics) {
 }
 
 /// Finalises the batches that are done: every line has a result, or a cancel or the window
-/// stopped them and their running lines came back.
-async fn finish(store: &Arc<Store>, jobs: &mut Vec<Job>) {
+/// stopped them and their running lines came back. A batch whose files cannot be written is
+/// tried again later, and marked `failed` after [`MAX_FINALIZE`] tries.
+async fn finish(b: &Batches, jobs: &mut Vec<Job>) {
     let now = now_s();
+    let files_expire = now + (b.cfg.retention_h * 3600) as i64;
     let mut k = 0;
     while k < jobs.len() {
-        let j = &jobs[k];
+        let j = &mut jobs[k];
         let ending = match j.stopping(now) {
             Some(e) if j.running == 0 => Some(e),
             None if j.running == 0 && j.pending.is_empty() => Some(Ending::Completed),
             _ => None,
         };
-        let Some(ending) = ending else {
+        let Some(ending) = ending.filter(|_| j.finalize_after.is_none_or(|t| t <= Instant::now()))
+        else {
             k += 1;
             continue;
         };
         let id = j.row.id.clone();
-        match store.call(move |s| s.finalize(&id, ending, now)).await {
+        let result = if j.finalize_failures >= MAX_FINALIZE {
+            b.store.call(move |s| s.fail(&id, now)).await
+        } else {
+            b.store
+                .call(move |s| s.finalize(&id, ending, now, files_expire))
+                .await
+        };
+        match result {
             Ok(()) => {
                 tracing::info!(batch = %j.row.id, ?ending, completed = j.row.completed,
                     failed = j.row.failed, "batch finished");
                 jobs.remove(k);
             }
             Err(e) => {
-                tracing::warn!(batch = %j.row.id, error = %e, "cannot finalise a batch; retrying");
+                j.finalize_failures += 1;
+                j.finalize_after = Some(Instant::now() + COOLDOWN * 10);
+                tracing::warn!(batch = %j.row.id, error = %e, tries = j.finalize_failures,
+                    "cannot finalise a batch; trying again in 10 s");
                 k += 1;
             }
         }
     }
 }
 
-/// Deletes what is past its retention.
-async fn sweep(b: &Batches) {
+/// Deletes what is past its retention, off the runner's loop (it may take a while).
+fn sweep(b: &Arc<Batches>) {
     let before = now_s() - (b.cfg.retention_h * 3600) as i64;
-    match b.store.call(move |s| s.expire(before)).await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(rows = n, "batch retention: deleted what expired"),
-        Err(e) => tracing::warn!(error = %e, "batch retention sweep failed"),
+    let store = b.store.clone();
+    tokio::spawn(async move {
+        match store.call(move |s| s.expire(before)).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(rows = n, "batch retention: deleted what expired"),
+            Err(e) => tracing::warn!(error = %e, "batch retention sweep failed"),
+        }
+    });
+}
+
+/// Lines finished over the last [`PACE_WINDOW`]: the pace the queue's completion is
+/// predicted at.
+#[derive(Default)]
+struct Pace {
+    done: VecDeque<Instant>,
+    since: Option<Instant>,
+}
+
+/// How far back the pace looks.
+const PACE_WINDOW: Duration = Duration::from_secs(60);
+
+impl Pace {
+    fn note(&mut self, now: Instant) {
+        self.since.get_or_insert(now);
+        self.done.push_back(now);
+        while self
+            .done
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) > PACE_WINDOW)
+        {
+            self.done.pop_front();
+        }
+    }
+
+    /// Lines a second, over the window or since the first line finished.
+    fn per_s(&self, now: Instant) -> Option<f64> {
+        let span = now
+            .saturating_duration_since(self.since?)
+            .min(PACE_WINDOW)
+            .as_secs_f64()
+            .max(1.0);
+        let recent = self
+            .done
+            .iter()
+            .filter(|t| now.saturating_duration_since(**t) <= PACE_WINDOW)
+            .count();
+        (recent > 0).then(|| recent as f64 / span)
     }
 }
 
-fn gauges(jobs: &[Job], m: &crate::metrics::GatewayMetrics) {
+/// The queue's gauges, and its completion predicted at the recent pace against the earliest
+/// window of the batches it holds (`kvgate_batch_window_margin_seconds` below 0: at this
+/// pace a batch will expire with lines not run; -inf while no line finished in the last
+/// minute and some wait; NaN with no batch to run).
+fn gauges(jobs: &[Job], m: &crate::metrics::GatewayMetrics, pace: &Pace) {
     let queued: usize = jobs.iter().map(|j| j.pending.len()).sum();
     let running: usize = jobs.iter().map(|j| j.running).sum();
     m.gauge_with("kvgate_batch_lines", &[("state", "queued")])
@@ -282,6 +366,23 @@ fn gauges(jobs: &[Job], m: &crate::metrics::GatewayMetrics) {
         .set(running as f64);
     m.gauge("kvgate_batch_jobs_unfinished")
         .set(jobs.len() as f64);
+    // The lines still to run (not those of cancelled or expired batches), at the pace of the
+    // last minute: none finished in it means no pace, an unbounded finish.
+    let now = now_s();
+    let live = jobs.iter().filter(|j| j.stopping(now).is_none());
+    let left: usize = live.clone().map(|j| j.pending.len() + j.running).sum();
+    let eta = match pace.per_s(Instant::now()) {
+        _ if left == 0 => 0.0,
+        Some(rate) => left as f64 / rate,
+        None => f64::INFINITY,
+    };
+    m.gauge("kvgate_batch_predicted_completion_seconds")
+        .set(eta);
+    let margin = match live.map(|j| j.row.expires_at).min() {
+        Some(end) => (end - now) as f64 - eta,
+        None => f64::NAN,
+    };
+    m.gauge("kvgate_batch_window_margin_seconds").set(margin);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -315,16 +416,22 @@ async fn attempt(
     let id = batch.to_string();
     let line = match store.call(move |s| s.line(&id, idx)).await {
         Ok(Some(l)) => l,
+        // Gone (the batch was deleted) or unreadable: tried again, then left to the finish.
         _ => return Outcome::Retry { counted: true },
     };
+    let last = attempts + 1 >= MAX_ATTEMPTS;
     let answer = match line::run(state, grant, endpoint, Bytes::from(line.body)).await {
         Ok(a) => a,
+        Err(e) if last => {
+            tracing::warn!(batch, idx, error = %e, "batch line failed in the gateway; given up");
+            let text = error_line(&line.custom_id, "internal_error", &e.to_string()).to_string();
+            return record(store, batch, idx, false, text, 0).await;
+        }
         Err(e) => {
             tracing::warn!(batch, idx, error = %e, "batch line failed in the gateway");
             return Outcome::Retry { counted: true };
         }
     };
-    let last = attempts + 1 >= MAX_ATTEMPTS;
     match answer.status {
         429 | 503 => return Outcome::Retry { counted: false },
         s if s >= 500 && !last => return Outcome::Retry { counted: true },
@@ -342,10 +449,22 @@ async fn attempt(
         body,
     )
     .to_string();
+    record(store, batch, idx, ok, text, tokens).await
+}
+
+/// Writes a line's result; the outcome to report.
+async fn record(
+    store: &Arc<Store>,
+    batch: &str,
+    idx: i64,
+    ok: bool,
+    text: String,
+    tokens: u64,
+) -> Outcome {
     let id = batch.to_string();
     match store.call(move |s| s.record(&id, idx, ok, &text)).await {
         Ok(true) => Outcome::Done { ok, tokens },
-        // Already there (an earlier run of this line): counted then.
+        // Already there (an earlier run of this line), or the batch has ended: nothing new.
         Ok(false) => Outcome::Done { ok, tokens: 0 },
         Err(e) => {
             tracing::warn!(batch, idx, error = %e, "cannot write a batch line's result");

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use crate::batch::objects::{BatchRow, FileRow, Status};
 
@@ -57,6 +57,9 @@ PRAGMA user_version = 1;
 pub(super) const BATCH_COLUMNS: &str = "id, tenant, endpoint, input_file_id, completion_window, status, \
      created_at, in_progress_at, expires_at, finalizing_at, completed_at, failed_at, expired_at, \
      cancelling_at, cancelled_at, output_file_id, error_file_id, total, completed, failed, metadata";
+
+/// The statuses of a batch still to run or to finish, as an SQL list.
+pub(super) const UNFINISHED: &str = "('validating', 'in_progress', 'finalizing', 'cancelling')";
 
 pub(super) const FILE_COLUMNS: &str =
     "id, tenant, purpose, filename, bytes, created_at, expires_at";
@@ -133,6 +136,8 @@ impl Store {
         // result for).
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // The WAL file is cut back to this after each checkpoint.
+        conn.pragma_update(None, "journal_size_limit", 64i64 << 20)?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
         Ok(Arc::new(Store {
@@ -151,29 +156,28 @@ impl Store {
             .map_err(|e| StoreError::Join(e.to_string()))?
     }
 
-    /// The database's size in bytes (its pages, in use and free).
+    /// The bytes the database's data takes (pages in use; freed pages are reused by later
+    /// writes, so deleting a file makes room at once although the file does not shrink).
     pub fn bytes_used(&self) -> Result<u64, StoreError> {
-        let c = self.conn.lock();
-        let pages: i64 = c.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-        let size: i64 = c.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-        Ok((pages * size) as u64)
+        used_bytes(&self.conn.lock())
     }
 
-    pub fn insert_file(&self, f: &FileRow, content: &[u8]) -> Result<(), StoreError> {
-        self.conn.lock().execute(
-            &format!("INSERT INTO files({FILE_COLUMNS}, content) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"),
-            params![
-                f.id,
-                f.tenant,
-                f.purpose,
-                f.filename,
-                f.bytes,
-                f.created_at,
-                f.expires_at,
-                content
-            ],
-        )?;
-        Ok(())
+    /// Stores a file unless that would take the database past `max_bytes`: `false` then.
+    /// The check and the write are one transaction (other gateways on the file included).
+    pub fn insert_file(
+        &self,
+        f: &FileRow,
+        content: &[u8],
+        max_bytes: u64,
+    ) -> Result<bool, StoreError> {
+        let mut c = self.conn.lock();
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        if used_bytes(&tx)? + content.len() as u64 > max_bytes {
+            return Ok(false);
+        }
+        insert_file(&tx, f, content)?;
+        tx.commit()?;
+        Ok(true)
     }
 
     pub fn file(&self, tenant: &str, id: &str) -> Result<Option<FileRow>, StoreError> {
@@ -211,7 +215,8 @@ impl Store {
         let c = self.conn.lock();
         let mut q = c.prepare(&format!(
             "SELECT {FILE_COLUMNS} FROM files WHERE tenant = ?1 AND (?2 IS NULL OR purpose = ?2)
-             AND (?3 IS NULL OR (created_at, id) < (SELECT created_at, id FROM files WHERE id = ?3))
+             AND (?3 IS NULL OR (created_at, id) <
+                  (SELECT created_at, id FROM files WHERE id = ?3 AND tenant = ?1))
              ORDER BY created_at DESC, id DESC LIMIT ?4"
         ))?;
         let rows = q.query_map(params![tenant, purpose, after, limit as i64], file_row)?;
@@ -226,10 +231,24 @@ impl Store {
         )? == 1)
     }
 
-    /// Creates a batch and its lines in one transaction.
-    pub fn create_batch(&self, b: &BatchRow, lines: &[StoredLine]) -> Result<(), StoreError> {
+    /// Creates a batch and its lines in one transaction, unless its tenant has
+    /// `max_unfinished` unfinished batches already: `Err(n)` with their count then.
+    pub fn create_batch(
+        &self,
+        b: &BatchRow,
+        lines: &[StoredLine],
+        max_unfinished: usize,
+    ) -> Result<Result<(), usize>, StoreError> {
         let mut c = self.conn.lock();
-        let tx = c.transaction()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let unfinished: i64 = tx.query_row(
+            &format!("SELECT count(*) FROM batches WHERE tenant = ?1 AND status IN {UNFINISHED}"),
+            params![b.tenant],
+            |r| r.get(0),
+        )?;
+        if unfinished as usize >= max_unfinished {
+            return Ok(Err(unfinished as usize));
+        }
         tx.execute(
             "INSERT INTO batches(id, tenant, endpoint, input_file_id, completion_window, status,
                created_at, in_progress_at, expires_at, total, metadata)
@@ -257,7 +276,7 @@ impl Store {
             }
         }
         tx.commit()?;
-        Ok(())
+        Ok(Ok(()))
     }
 
     pub fn batch(&self, tenant: &str, id: &str) -> Result<Option<BatchRow>, StoreError> {
@@ -282,22 +301,12 @@ impl Store {
         let c = self.conn.lock();
         let mut q = c.prepare(&format!(
             "SELECT {BATCH_COLUMNS} FROM batches WHERE tenant = ?1
-             AND (?2 IS NULL OR (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?2))
+             AND (?2 IS NULL OR (created_at, id) <
+                  (SELECT created_at, id FROM batches WHERE id = ?2 AND tenant = ?1))
              ORDER BY created_at DESC, id DESC LIMIT ?3"
         ))?;
         let rows = q.query_map(params![tenant, after, limit as i64], batch_row)?;
         Ok(rows.collect::<Result<_, _>>()?)
-    }
-
-    /// How many batches `tenant` has unfinished.
-    pub fn unfinished_of(&self, tenant: &str) -> Result<usize, StoreError> {
-        let n: i64 = self.conn.lock().query_row(
-            "SELECT count(*) FROM batches WHERE tenant = ?1
-             AND status IN ('validating', 'in_progress', 'finalizing', 'cancelling')",
-            params![tenant],
-            |r| r.get(0),
-        )?;
-        Ok(n as usize)
     }
 
     /// The positions of a batch's lines with no result yet, in order.
@@ -334,8 +343,14 @@ impl Store {
     pub fn record(&self, batch: &str, idx: i64, ok: bool, line: &str) -> Result<bool, StoreError> {
         let mut c = self.conn.lock();
         let tx = c.transaction()?;
+        // Not into a batch already ended (a line that finished after a cancel or a takeover's
+        // finalise): its files are written and its counts final.
         let new = tx.execute(
-            "INSERT OR IGNORE INTO results(batch_id, idx, ok, line) VALUES (?1,?2,?3,?4)",
+            &format!(
+                "INSERT OR IGNORE INTO results(batch_id, idx, ok, line)
+                 SELECT ?1, ?2, ?3, ?4 WHERE EXISTS
+                   (SELECT 1 FROM batches WHERE id = ?1 AND status IN {UNFINISHED})"
+            ),
             params![batch, idx, ok, line],
         )? == 1;
         if new {
@@ -358,4 +373,30 @@ impl Store {
         )?;
         self.batch(tenant, id)
     }
+}
+
+/// Pages in use × page size.
+fn used_bytes(c: &Connection) -> Result<u64, StoreError> {
+    let pages: i64 = c.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+    let free: i64 = c.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
+    let size: i64 = c.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+    Ok(((pages - free).max(0) * size) as u64)
+}
+
+/// Writes a file row with its content.
+pub(super) fn insert_file(c: &Connection, f: &FileRow, content: &[u8]) -> rusqlite::Result<()> {
+    c.execute(
+        &format!("INSERT INTO files({FILE_COLUMNS}, content) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"),
+        params![
+            f.id,
+            f.tenant,
+            f.purpose,
+            f.filename,
+            f.bytes,
+            f.created_at,
+            f.expires_at,
+            content
+        ],
+    )?;
+    Ok(())
 }

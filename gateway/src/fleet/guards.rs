@@ -20,18 +20,18 @@ pub struct PendingPrefill {
 
 impl PendingPrefill {
     /// Adds `tokens` (the uncached part of a prompt whose block hashes are `blocks`), sent
-    /// now with the route's `engine_priority`; returns the guard and what they find in front
-    /// of them there. A background request (priority above 0) is queued apart: the replica
-    /// serves foreground prefill first, so it is not ahead of the next interactive request.
+    /// now; returns the guard and what they find in front of them there. A `background`
+    /// request (the batch class on a route with an `engine_priority` above 0) is queued apart:
+    /// the replica serves foreground prefill first, so it is not ahead of the next
+    /// interactive request.
     pub fn new(
         replica: Arc<ReplicaHandle>,
         tokens: u64,
         blocks: Arc<[u64]>,
-        engine_priority: i32,
+        background: bool,
     ) -> (Self, Joined) {
         let now = Instant::now();
         let joined = replica.joined(now);
-        let background = engine_priority > 0;
         let id = replica
             .queue(background)
             .add(tokens, blocks, now, joined.ahead);

@@ -260,7 +260,7 @@ impl ReplicaHandle {
     /// Whether a request this gateway sent here, not yet answered, has `hash` as its prompt's
     /// block `k`: that prefix is still being prefilled here.
     pub fn computing(&self, k: usize, hash: u64) -> bool {
-        self.prefill.computing(k, hash)
+        self.prefill.computing(k, hash) || self.background_prefill.computing(k, hash)
     }
 
     /// Whether the KV event stream is connected and indexed (index exact for this replica):

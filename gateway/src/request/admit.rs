@@ -199,7 +199,7 @@ impl Admitter<'_> {
                             replica,
                             p.uncached(&matched, d.replica),
                             p.hashes.clone(),
-                            route.cfg.engine_priority,
+                            route.background(),
                         );
                         let admitted = Admitted::new(
                             rt.clone(),

@@ -368,7 +368,7 @@ impl Forwarder<'_> {
                         replica.clone(),
                         uncached_tokens,
                         p.hashes.clone(),
-                        route.cfg.engine_priority,
+                        route.background(),
                     )
                 }
             };

@@ -81,7 +81,7 @@ impl Warmer<'_> {
             replica.clone(),
             uncached,
             p.hashes.clone(),
-            route.cfg.engine_priority,
+            route.background(),
         );
         let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
         let counters = route.rt.stats.warms(reason.label());

@@ -46,6 +46,14 @@ pub struct ActiveRoute {
     pub rt: Arc<RouteRuntime>,
 }
 
+impl ActiveRoute {
+    /// Its requests are background work at the replica: the batch class sent with an
+    /// `engine_priority` above 0, served after interactive work (`fleet/guards.rs`).
+    pub fn background(&self) -> bool {
+        self.cfg.priority == Some(config::Priority::Batch) && self.cfg.engine_priority > 0
+    }
+}
+
 pub struct ActivePolicy {
     pub file: PolicyFile,
     /// The file's `version`, or a hash of its text.

@@ -1,18 +1,26 @@
 //! How a batch ends: finalising (the output and error files, written in one transaction with
 //! the final status) and retention (what ended long ago is deleted).
 
-use rusqlite::params;
+use rusqlite::{params, TransactionBehavior};
 
-use super::{Ending, Store, StoreError, FILE_COLUMNS};
+use super::{insert_file, Ending, Store, StoreError, UNFINISHED};
 use crate::batch::objects::{error_line, new_id, FileRow, Status};
 
 impl Store {
     /// Ends a batch in one transaction: the output file (successful lines, in line order),
     /// the error file (failed lines, then — when expired or cancelled — the lines never run),
-    /// the final status and its time. A batch already ended is left as it is.
-    pub fn finalize(&self, id: &str, ending: Ending, now: i64) -> Result<(), StoreError> {
+    /// the final status and its time; the two files are kept until `files_expire`. A batch
+    /// already ended is left as it is.
+    pub fn finalize(
+        &self,
+        id: &str,
+        ending: Ending,
+        now: i64,
+        files_expire: i64,
+    ) -> Result<(), StoreError> {
         let mut c = self.conn.lock();
-        let tx = c.transaction()?;
+        // Immediate: it reads then writes, and another gateway on the file may be writing.
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let (tenant, status): (String, String) = tx.query_row(
             "SELECT tenant, status FROM batches WHERE id = ?1",
             params![id],
@@ -67,23 +75,9 @@ impl Store {
                 filename: format!("{id}_{kind}.jsonl"),
                 bytes: content.len() as i64,
                 created_at: now,
-                expires_at: None,
+                expires_at: Some(files_expire),
             };
-            tx.execute(
-                &format!(
-                    "INSERT INTO files({FILE_COLUMNS}, content) VALUES (?1,?2,?3,?4,?5,?6,?7,?8)"
-                ),
-                params![
-                    f.id,
-                    f.tenant,
-                    f.purpose,
-                    f.filename,
-                    f.bytes,
-                    f.created_at,
-                    f.expires_at,
-                    content
-                ],
-            )?;
+            insert_file(&tx, &f, content)?;
             Ok(Some(f.id))
         };
         let output_id = file(&output, "output")?;
@@ -101,6 +95,17 @@ impl Store {
             params![id, status, now, output_id, error_id],
         )?;
         tx.commit()?;
+        Ok(())
+    }
+
+    /// Marks a batch `failed` (its files could not be written: `finalize` kept failing).
+    pub fn fail(&self, id: &str, now: i64) -> Result<(), StoreError> {
+        self.conn.lock().execute(
+            &format!(
+                "UPDATE batches SET status = 'failed', failed_at = ?2 WHERE id = ?1 AND status IN {UNFINISHED}"
+            ),
+            params![id, now],
+        )?;
         Ok(())
     }
 
@@ -125,16 +130,15 @@ impl Store {
             params![before],
         )?;
         n += tx.execute(
-            "DELETE FROM files WHERE created_at < ?1 AND id NOT IN (
-               SELECT input_file_id FROM batches
-               WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling'))",
+            &format!(
+                "DELETE FROM files WHERE created_at < ?1 AND id NOT IN (
+                   SELECT input_file_id FROM batches WHERE status IN {UNFINISHED})"
+            ),
             params![before],
         )?;
         tx.commit()?;
-        if n > 0 {
-            // Give the freed pages back to the file system.
-            let _ = c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;");
-        }
+        // The freed pages are reused by later writes (`bytes_used` counts pages in use); no
+        // VACUUM, which would copy the whole database while holding the write lock.
         Ok(n)
     }
 }

@@ -9,7 +9,7 @@
 
 use rusqlite::{params, TransactionBehavior};
 
-use super::{batch_row, Store, StoreError, BATCH_COLUMNS};
+use super::{batch_row, Store, StoreError, BATCH_COLUMNS, UNFINISHED};
 use crate::batch::objects::BatchRow;
 
 impl Store {
@@ -19,15 +19,15 @@ impl Store {
         let mut c = self.conn.lock();
         let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
         tx.execute(
-            "UPDATE batches SET owner = ?1, lease_until = ?3
-             WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling')
-               AND (owner IS NULL OR owner = ?1 OR lease_until IS NULL OR lease_until < ?2)",
+            &format!(
+                "UPDATE batches SET owner = ?1, lease_until = ?3 WHERE status IN {UNFINISHED}
+                   AND (owner IS NULL OR owner = ?1 OR lease_until IS NULL OR lease_until < ?2)"
+            ),
             params![me, now, lease_until],
         )?;
         let rows = {
             let mut q = tx.prepare(&format!(
-                "SELECT {BATCH_COLUMNS} FROM batches
-                 WHERE owner = ?1 AND status IN ('validating', 'in_progress', 'finalizing', 'cancelling')
+                "SELECT {BATCH_COLUMNS} FROM batches WHERE owner = ?1 AND status IN {UNFINISHED}
                  ORDER BY created_at, id"
             ))?;
             let rows = q.query_map(params![me], batch_row)?;

@@ -6,9 +6,9 @@ fn store() -> (Arc<Store>, std::path::PathBuf) {
     (Store::open(&path).unwrap(), path)
 }
 
-fn batch(s: &Store, lines: usize) -> BatchRow {
+fn new_row(lines: usize) -> BatchRow {
     let now = now_s();
-    let row = BatchRow {
+    BatchRow {
         id: new_id("batch_"),
         tenant: "t".into(),
         endpoint: "/v1/completions".into(),
@@ -30,7 +30,11 @@ fn batch(s: &Store, lines: usize) -> BatchRow {
         completed: 0,
         failed: 0,
         metadata: None,
-    };
+    }
+}
+
+fn batch(s: &Store, lines: usize) -> BatchRow {
+    let row = new_row(lines);
     let stored: Vec<StoredLine> = (0..lines)
         .map(|i| StoredLine {
             idx: i as i64,
@@ -38,7 +42,7 @@ fn batch(s: &Store, lines: usize) -> BatchRow {
             body: b"{}".to_vec(),
         })
         .collect();
-    s.create_batch(&row, &stored).unwrap();
+    s.create_batch(&row, &stored, usize::MAX).unwrap().unwrap();
     row
 }
 
@@ -68,7 +72,8 @@ fn a_line_run_twice_is_kept_and_counted_once_and_the_output_is_in_line_order() {
     assert!(s.record(&b.id, 0, true, &line("c0")).unwrap());
     assert!(s.record(&b.id, 1, false, &line("c1")).unwrap());
     assert!(s.pending(&b.id).unwrap().is_empty());
-    s.finalize(&b.id, Ending::Completed, now_s()).unwrap();
+    s.finalize(&b.id, Ending::Completed, now_s(), now_s() + 3600)
+        .unwrap();
     let done = s.batch("t", &b.id).unwrap().unwrap();
     assert_eq!(done.status, Status::Completed);
     assert_eq!((done.completed, done.failed), (2, 1));
@@ -78,8 +83,11 @@ fn a_line_run_twice_is_kept_and_counted_once_and_the_output_is_in_line_order() {
         .collect();
     assert_eq!(out, ["c0", "c2"]);
     assert_eq!(content(&s, &done.error_file_id).len(), 1);
+    // A line that finishes after the end changes nothing either.
+    assert!(!s.record(&b.id, 1, true, &line("c1")).unwrap());
     // Finalising again changes nothing.
-    s.finalize(&b.id, Ending::Cancelled, now_s()).unwrap();
+    s.finalize(&b.id, Ending::Cancelled, now_s(), now_s() + 3600)
+        .unwrap();
     assert_eq!(s.batch("t", &b.id).unwrap().unwrap(), done);
     // Another tenant sees none of it.
     assert!(s.batch("u", &b.id).unwrap().is_none());
@@ -101,7 +109,8 @@ fn a_cancelled_batch_lists_the_lines_it_never_ran_as_errors() {
         s.cancel("u", &b.id, now_s()).unwrap().is_none(),
         "not the tenant's"
     );
-    s.finalize(&b.id, Ending::Cancelled, now_s()).unwrap();
+    s.finalize(&b.id, Ending::Cancelled, now_s(), now_s() + 3600)
+        .unwrap();
     let done = s.batch("t", &b.id).unwrap().unwrap();
     assert_eq!(done.status, Status::Cancelled);
     assert!(done.cancelled_at.is_some());
@@ -140,7 +149,8 @@ fn a_batch_is_held_by_one_gateway_until_its_lease_runs_out() {
         s.claim("a", now + 52, now + 82).unwrap().is_empty(),
         "a lost it"
     );
-    s.finalize(&b.id, Ending::Completed, now).unwrap();
+    s.finalize(&b.id, Ending::Completed, now, now + 3600)
+        .unwrap();
     assert!(
         s.claim("b", now + 53, now + 83).unwrap().is_empty(),
         "finished"
@@ -153,7 +163,8 @@ fn retention_deletes_what_ended_long_ago() {
     let (s, path) = store();
     let b = batch(&s, 1);
     s.record(&b.id, 0, true, "{\"custom_id\":\"c0\"}").unwrap();
-    s.finalize(&b.id, Ending::Completed, now_s()).unwrap();
+    s.finalize(&b.id, Ending::Completed, now_s(), now_s() + 3600)
+        .unwrap();
     let running = batch(&s, 1);
     assert_eq!(s.expire(now_s() - 10).unwrap(), 0, "nothing old enough");
     assert!(s.expire(now_s() + 10).unwrap() > 0);
@@ -161,6 +172,39 @@ fn retention_deletes_what_ended_long_ago() {
     assert!(
         s.batch("t", &running.id).unwrap().is_some(),
         "unfinished batches stay"
+    );
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn the_limits_are_checked_in_the_write_that_they_guard() {
+    let (s, path) = store();
+    batch(&s, 1);
+    let row = |_: usize| new_row(0);
+    // One unfinished batch already: a limit of 1 refuses the next, naming the count.
+    assert_eq!(s.create_batch(&row(1), &[], 1).unwrap(), Err(1));
+    assert_eq!(s.create_batch(&row(2), &[], 2).unwrap(), Ok(()));
+    // A file that would take the database past its limit is refused; deleting makes room.
+    let file = |id: &str| FileRow {
+        id: id.into(),
+        tenant: "t".into(),
+        purpose: "batch".into(),
+        filename: "f.jsonl".into(),
+        bytes: 1 << 20,
+        created_at: now_s(),
+        expires_at: None,
+    };
+    let mib = vec![b'x'; 1 << 20];
+    let limit = s.bytes_used().unwrap() + (3 << 20) / 2;
+    assert!(s.insert_file(&file("file-a"), &mib, limit).unwrap());
+    assert!(
+        !s.insert_file(&file("file-b"), &mib, limit).unwrap(),
+        "over the limit"
+    );
+    assert!(s.delete_file("t", "file-a").unwrap());
+    assert!(
+        s.insert_file(&file("file-b"), &mib, limit).unwrap(),
+        "freed pages count"
     );
     let _ = std::fs::remove_file(path);
 }

@@ -87,7 +87,7 @@ fn a_prefix_in_flight_is_waited_for_no_longer_than_its_predicted_gain() {
     // The earlier request carrying the prefix, sent to replica 0 and not answered yet: 300 of
     // its tokens still to prefill there (the speculative record says replica 0 holds it all).
     let holder = f.registry.replica(0).unwrap();
-    let (_carrier, _) = PendingPrefill::new(holder, 300, p.hashes.clone(), 0);
+    let (_carrier, _) = PendingPrefill::new(holder, 300, p.hashes.clone(), false);
     f.prefix.sent(0, p.blocks(), None, f.registry.now_s());
     let active = f.policies.load();
     let route = &active.routes[0];
