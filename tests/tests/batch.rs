@@ -123,7 +123,7 @@ async fn batch(base: &str, id: &str) -> Value {
 
 /// Uploads `lines` completions requests and creates a batch over them; its id.
 async fn submit(base: &str, lines: usize) -> String {
-    let content: Vec<String> = (0..lines)
+    let lines: Vec<Value> = (0..lines)
         .map(|i| {
             json!({
                 "custom_id": format!("line-{i}"),
@@ -132,11 +132,15 @@ async fn submit(base: &str, lines: usize) -> String {
                 "body": {"model": "Qwen3-8B", "prompt": format!("Summarise item {i}."),
                          "max_tokens": 48, "ignore_eos": true},
             })
-            .to_string()
         })
         .collect();
+    upload_batch(&reqwest::Client::new(), base, &lines).await
+}
+
+/// Uploads `lines` as a file and creates a batch over it (1 h window); the batch's id.
+async fn upload_batch(client: &reqwest::Client, base: &str, lines: &[Value]) -> String {
+    let content: Vec<String> = lines.iter().map(Value::to_string).collect();
     let (ct, body) = multipart(&content.join("\n"));
-    let client = reqwest::Client::new();
     let f: Value = client
         .post(format!("{base}/v1/files"))
         .header("content-type", ct)
@@ -289,37 +293,6 @@ fn completed_lines(metrics: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Uploads `body` lines as a batch on the in-process gateway `gw`; the batch's id.
-async fn submit_to(gw: &common::Gateway, lines: &[Value]) -> String {
-    let content: Vec<String> = lines.iter().map(Value::to_string).collect();
-    let (ct, body) = multipart(&content.join("\n"));
-    let f: Value = gw
-        .client
-        .post(format!("{}/v1/files", gw.base))
-        .header("content-type", ct)
-        .body(body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let b: Value = gw
-        .client
-        .post(format!("{}/v1/batches", gw.base))
-        .json(
-            &json!({"input_file_id": f["id"], "endpoint": "/v1/completions",
-                      "completion_window": "1h"}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    b["id"].as_str().expect("a batch id").to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_batch_line_starts_while_an_interactive_request_waits() {
     let dir = scratch("trough");
@@ -361,7 +334,7 @@ async fn no_batch_line_starts_while_an_interactive_request_waits() {
                    "body": {"model": "Qwen3-8B", "prompt": "Classify this.", "max_tokens": 2}})
         })
         .collect();
-    let id = submit_to(&gw, &lines).await;
+    let id = upload_batch(&gw.client, &gw.base, &lines).await;
     // While the interactive request waits, the runner looks many times and starts nothing.
     while interactive("kvgate_gateway_route_queue_depth").await >= 1.0 {
         let b = batch(&gw.base, &id).await;
