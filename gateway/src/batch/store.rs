@@ -25,6 +25,11 @@ mod tests;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    #[error("batch database {path}: {source}")]
+    Open {
+        path: String,
+        source: rusqlite::Error,
+    },
     #[error("batch database: {0}")]
     Sql(#[from] rusqlite::Error),
     #[error("batch database task failed: {0}")]
@@ -130,11 +135,16 @@ impl Store {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             let _ = std::fs::create_dir_all(dir);
         }
-        let conn = Connection::open(path)?;
+        let open = |source| StoreError::Open {
+            path: path.display().to_string(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(open)?;
         // WAL: readers never wait for the writer; NORMAL: a commit survives the process being
         // killed (not a power cut between checkpoints, which FULL would cost an fsync per
         // result for).
-        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(open)?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         // The WAL file is cut back to this after each checkpoint.
         conn.pragma_update(None, "journal_size_limit", 64i64 << 20)?;
