@@ -67,13 +67,21 @@ pub(crate) struct UpArgs {
 fn batch_db(a: &UpArgs) -> String {
     a.batch_db
         .clone()
-        .unwrap_or_else(|| {
-            std::env::temp_dir()
-                .join(format!("kvgate-up-{}", std::process::id()))
-                .join("batch.sqlite3")
-        })
+        .unwrap_or_else(|| default_batch_dir().join("batch.sqlite3"))
         .display()
         .to_string()
+}
+
+/// The folder of the database `kvgate up` makes when `--batch-db` names none.
+fn default_batch_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("kvgate-up-{}", std::process::id()))
+}
+
+/// Deletes the database `kvgate up` made for itself (one named by `--batch-db` stays).
+fn forget_default_batch_db(a: &UpArgs) {
+    if a.batch_db.is_none() {
+        let _ = std::fs::remove_dir_all(default_batch_dir());
+    }
 }
 
 /// The default real model for the cpu backend, relative to the checkout.
@@ -449,6 +457,7 @@ pub(crate) async fn run_up(a: UpArgs) -> Result<()> {
     cfg.validate()?;
     let n = children.len();
     let result = serve_gateway(cfg, shutdown, n).await;
+    forget_default_batch_db(&a);
     // The gateway has drained: nothing is in flight at the replicas. Closing their stdin
     // makes each drain and exit; one that does not within 10 s is killed.
     println!("stopping {n} replicas");
@@ -510,6 +519,7 @@ async fn run_up_vllm(a: UpArgs) -> Result<()> {
     })?;
     cfg.validate()?;
     let result = serve_gateway(cfg, shutdown, n).await;
+    forget_default_batch_db(&a);
     println!("stopping {n} vLLM engines");
     crate::vllm_fleet::stop(&mut children).await;
     result

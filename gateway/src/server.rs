@@ -491,6 +491,15 @@ impl GatewayServer {
             tracing::info!("drained");
         }
         admin_task.abort();
+        // Batch lines still running were cut with the drain: their batches go back to the
+        // database unclaimed, for the next gateway to take at once.
+        if let Some(b) = &self.state.batch {
+            match b.store.release(&b.node_id) {
+                Ok(n) if n > 0 => tracing::info!(batches = n, "batch claims released"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot release the batch claims"),
+            }
+        }
         // Stop health checks, load polls and KV event streams: the gateway is done with its
         // replicas (and they may be stopping too).
         self.state.fleet.stop_background();

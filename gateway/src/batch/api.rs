@@ -222,9 +222,10 @@ async fn upload(
         return Err(ApiError::payload_too_large(limit));
     }
     let (data, max_lines) = (file.data.clone(), b.cfg.max_lines);
-    tokio::task::spawn_blocking(move || jsonl::parse(&data, max_lines).map(drop))
+    let lines = tokio::task::spawn_blocking(move || jsonl::parse(&data, max_lines))
         .await
         .map_err(|_| busy())??;
+    served(&lines, &state.models.load())?;
     let now = now_s();
     let row = FileRow {
         id: objects::new_id("file-"),
@@ -342,7 +343,6 @@ async fn create(
     let lines = tokio::task::spawn_blocking(move || jsonl::parse(&content, max_lines))
         .await
         .map_err(|_| busy())??;
-    let catalog = state.models.load();
     for l in &lines {
         if l.url != req.endpoint {
             return Err(ApiError::invalid_request(format!(
@@ -351,16 +351,9 @@ async fn create(
             ))
             .with_code("invalid_batch_line"));
         }
-        if catalog.find(&l.model).is_none() {
-            return Err(ApiError::invalid_request(format!(
-                "line {} of the batch file: model {:?} is not served here (served: {})",
-                l.line_no,
-                l.model,
-                catalog.names().join(", ")
-            ))
-            .with_code("invalid_batch_line"));
-        }
     }
+    // Again: the models served may have changed since the upload.
+    served(&lines, &state.models.load())?;
     let now = now_s();
     let row = BatchRow {
         id: objects::new_id("batch_"),
@@ -405,6 +398,20 @@ async fn create(
     b.wake.notify_one();
     tracing::info!(batch = %row.id, lines = row.total, window = %row.completion_window, "batch created");
     Ok((200, row.to_json()))
+}
+
+/// Every line names a model this gateway serves (a 400 naming the first that does not).
+fn served(lines: &[jsonl::InputLine], catalog: &crate::models::Catalog) -> Result<(), ApiError> {
+    match lines.iter().find(|l| catalog.find(&l.model).is_none()) {
+        None => Ok(()),
+        Some(l) => Err(ApiError::invalid_request(format!(
+            "line {} of the batch file: model {:?} is not served here (served: {})",
+            l.line_no,
+            l.model,
+            catalog.names().join(", ")
+        ))
+        .with_code("invalid_batch_line")),
+    }
 }
 
 async fn cancel(b: &Batches, tenant: String, id: String) -> Answer {

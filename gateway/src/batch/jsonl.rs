@@ -74,20 +74,19 @@ pub fn parse(content: &[u8], max_lines: usize) -> Result<Vec<InputLine>, ApiErro
         }
         match obj.get("method").and_then(Value::as_str) {
             Some("POST") => {}
-            other => {
-                return Err(at(
-                    line_no,
-                    format!("`method` must be \"POST\", got {other:?}"),
-                ))
+            _ => {
+                let got = obj.get("method").map_or("nothing".into(), Value::to_string);
+                return Err(at(line_no, format!("`method` must be \"POST\", got {got}")));
             }
         }
         let url = match obj.get("url").and_then(Value::as_str) {
             Some(u) if ENDPOINTS.contains(&u) => u.to_string(),
-            other => {
+            _ => {
+                let got = obj.get("url").map_or("nothing".into(), Value::to_string);
                 return Err(at(
                     line_no,
-                    format!("`url` must be one of {ENDPOINTS:?}, got {other:?}"),
-                ))
+                    format!("`url` must be {}, got {got}", ENDPOINTS.join(" or ")),
+                ));
             }
         };
         let body = obj
@@ -191,6 +190,7 @@ mod tests {
         for (text, where_, what) in cases {
             let m = message(&text, 10);
             assert!(m.contains(where_) && m.contains(what), "{m}");
+            assert!(!m.contains("Some("), "no Rust in messages: {m}");
         }
         let many = format!("{}\n{}\n{}", line("a"), line("b"), line("c"));
         assert!(message(&many, 2).contains("line 3"));

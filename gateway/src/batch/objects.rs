@@ -179,7 +179,7 @@ pub fn answered_line(custom_id: &str, status: u16, request_id: Option<&str>, bod
         "custom_id": custom_id,
         "response": {
             "status_code": status,
-            "request_id": request_id.unwrap_or(""),
+            "request_id": request_id.map_or_else(|| new_id("req_"), str::to_string),
             "body": body,
         },
         "error": null,

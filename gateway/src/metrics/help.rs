@@ -1,10 +1,18 @@
-//! What each `kvgate_gateway_*` series means, as `# HELP` says it on `/metrics`: one table per
+//! What each `kvgate_gateway_*` and `kvgate_batch_*` series means, as `# HELP` says it on `/metrics`: one table per
 //! kind, described on the recorder when it is built.
 
 use metrics::{KeyName, SharedString, Unit};
 use metrics_exporter_prometheus::PrometheusRecorder;
 
 const COUNTERS: &[(&str, &str)] = &[
+    (
+        "kvgate_batch_lines_total",
+        "Batch API lines finished (completed: in the output file; failed: in the error file) or put back to run again (retried: a 429/503, or a failure inside the gateway)",
+    ),
+    (
+        "kvgate_batch_generated_tokens_total",
+        "Completion tokens the Batch API's lines generated (its rate is the batch work's tokens per second)",
+    ),
     (
         "kvgate_gateway_requests_total",
         "Requests answered, by endpoint and status",
@@ -140,6 +148,26 @@ const COUNTERS: &[(&str, &str)] = &[
 ];
 
 const GAUGES: &[(&str, &str)] = &[
+    (
+        "kvgate_batch_lines",
+        "Batch API lines of this gateway's batches: queued (not started) and running",
+    ),
+    (
+        "kvgate_batch_jobs_unfinished",
+        "Batches this gateway holds and has not finished",
+    ),
+    (
+        "kvgate_batch_store_bytes",
+        "Bytes the Batch API's database holds (pages in use), bounded by batch.max_disk_mib",
+    ),
+    (
+        "kvgate_batch_predicted_completion_seconds",
+        "Seconds until this gateway's batch lines are all done at the last minute's pace (+Inf when none finished in it)",
+    ),
+    (
+        "kvgate_batch_window_margin_seconds",
+        "The earliest running batch's time left minus the predicted completion: below 0, a batch will expire with lines not run at this pace",
+    ),
     (
         "kvgate_gateway_goodput_ratio",
         "Requests served within the route's targets over all asked (finished or shed) in the last minute",

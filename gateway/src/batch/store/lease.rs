@@ -36,4 +36,13 @@ impl Store {
         tx.commit()?;
         Ok(rows)
     }
+
+    /// Gives up `me`'s claims (a gateway stopping cleanly), so another gateway, or this one
+    /// restarted on another address, takes the batches at once rather than after the lease.
+    pub fn release(&self, me: &str) -> Result<usize, StoreError> {
+        Ok(self.conn.lock().execute(
+            "UPDATE batches SET owner = NULL, lease_until = NULL WHERE owner = ?1",
+            params![me],
+        )?)
+    }
 }
