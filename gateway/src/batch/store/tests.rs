@@ -149,10 +149,17 @@ fn a_batch_is_held_by_one_gateway_until_its_lease_runs_out() {
         s.claim("a", now + 52, now + 82).unwrap().is_empty(),
         "a lost it"
     );
+    // A clean stop gives the claim up: the next gateway takes it at once.
+    assert_eq!(s.release("b").unwrap(), 1);
+    assert_eq!(
+        s.claim("c", now + 53, now + 83).unwrap().len(),
+        1,
+        "released"
+    );
     s.finalize(&b.id, Ending::Completed, now, now + 3600)
         .unwrap();
     assert!(
-        s.claim("b", now + 53, now + 83).unwrap().is_empty(),
+        s.claim("c", now + 54, now + 84).unwrap().is_empty(),
         "finished"
     );
     let _ = std::fs::remove_file(path);
