@@ -129,7 +129,6 @@ pub async fn build_gateway(
     registry.set_discovered_engines(&discovery.engines());
     registry.spawn_background();
     let policies = load_policy(&cfg, &metrics)?;
-    let batch = crate::batch::Batches::open(&cfg.batch, listener.local_addr()?)?;
     let d = &cfg.downstream;
     let tokenizer_slots = match d.tokenize_concurrency {
         0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
@@ -177,7 +176,7 @@ pub async fn build_gateway(
         policies,
         peers: Peers::new(cfg.peers.clone()),
         ready_wait: Duration::from_secs(cfg.index.ready_wait_s),
-        batch,
+        batch: crate::batch::Batches::open(&cfg.batch, listener.local_addr()?)?,
     });
     spawn_policy_reloaders(&state);
     spawn_peers(&state, &cfg.peers);
@@ -491,14 +490,8 @@ impl GatewayServer {
             tracing::info!("drained");
         }
         admin_task.abort();
-        // Batch lines still running were cut with the drain: their batches go back to the
-        // database unclaimed, for the next gateway to take at once.
         if let Some(b) = &self.state.batch {
-            match b.store.release(&b.node_id) {
-                Ok(n) if n > 0 => tracing::info!(batches = n, "batch claims released"),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot release the batch claims"),
-            }
+            b.release_claims();
         }
         // Stop health checks, load polls and KV event streams: the gateway is done with its
         // replicas (and they may be stopping too).

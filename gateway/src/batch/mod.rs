@@ -83,7 +83,17 @@ impl Batches {
         (lease, lease / 3)
     }
 
-    /// Lines running at once across the fleet for `healthy` replicas.
+    /// At a clean stop: batch lines still running were cut with the drain; their batches go
+    /// back to the database unclaimed, for the next gateway to take at once.
+    pub fn release_claims(&self) {
+        match self.store.release(&self.node_id) {
+            Ok(n) if n > 0 => tracing::info!(batches = n, "batch claims released"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot release the batch claims"),
+        }
+    }
+
+    /// Lines this gateway runs at once for `healthy` replicas.
     pub fn max_in_flight(&self, healthy: usize) -> usize {
         match self.cfg.max_in_flight {
             0 => 4 * healthy.max(1),
