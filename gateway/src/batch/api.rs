@@ -221,10 +221,7 @@ async fn upload(
     if file.data.len() > limit {
         return Err(ApiError::payload_too_large(limit));
     }
-    let (data, max_lines) = (file.data.clone(), b.cfg.max_lines);
-    let lines = tokio::task::spawn_blocking(move || jsonl::parse(&data, max_lines))
-        .await
-        .map_err(|_| busy())??;
+    let lines = checked_lines(file.data.clone(), b.cfg.max_lines).await?;
     served(&lines, &state.models.load())?;
     let now = now_s();
     let row = FileRow {
@@ -339,10 +336,7 @@ async fn create(
         .await
         .map_err(store_error)?
         .ok_or_else(|| not_found("File", &req.input_file_id))?;
-    let max_lines = b.cfg.max_lines;
-    let lines = tokio::task::spawn_blocking(move || jsonl::parse(&content, max_lines))
-        .await
-        .map_err(|_| busy())??;
+    let lines = checked_lines(content, b.cfg.max_lines).await?;
     for l in &lines {
         if l.url != req.endpoint {
             return Err(ApiError::invalid_request(format!(
@@ -398,6 +392,17 @@ async fn create(
     b.wake.notify_one();
     tracing::info!(batch = %row.id, lines = row.total, window = %row.completion_window, "batch created");
     Ok((200, row.to_json()))
+}
+
+/// A file's lines checked (`jsonl::parse`) on the blocking pool: CPU work on up to
+/// `max_file_mib` of text.
+async fn checked_lines(
+    content: impl AsRef<[u8]> + Send + 'static,
+    max_lines: usize,
+) -> Result<Vec<jsonl::InputLine>, ApiError> {
+    tokio::task::spawn_blocking(move || jsonl::parse(content.as_ref(), max_lines))
+        .await
+        .map_err(|_| busy())?
 }
 
 /// Every line names a model this gateway serves (a 400 naming the first that does not).
