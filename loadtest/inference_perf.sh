@@ -12,7 +12,8 @@
 # Env: KVGATE_BIN (target/release/kvgate), IP_RATES (4,10,16), IP_SEEDS (1,2,3), IP_DURATION
 #   (60 s), IP_REPLICAS (8), IP_GROUPS (15), IP_USERS (5; 15 x 5 = 75 prompts do not divide
 #   evenly over 8 replicas, so round-robin cannot look cache-aware by accident), IP_VENV
-#   (.venv-inference-perf, Python >= 3.12), KVGATE_SGLANG_VENV (.venv-sglang).
+#   (.venv-inference-perf, Python >= 3.12), KVGATE_SGLANG_VENV (.venv-sglang), IP_PER_REQUEST
+#   (0; 1: per-request client timings in each run's folder).
 # Writes DIR/runs.jsonl (one line per run), DIR/summary.md and DIR/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ out=loadtest/out/inference-perf-$(date +%Y%m%d-%H%M%S)
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=${2:?}; shift ;;
-    -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -61,6 +62,14 @@ if ! "$sgvenv/bin/python" -c 'import sglang_router' 2>/dev/null; then
   "$sgvenv/bin/pip" install --quiet sglang-router==0.3.2 >"$logs/pip-sglang.log" 2>&1 ||
     { echo "inference_perf.sh: cannot install sglang-router 0.3.2 (see $logs/pip-sglang.log)" >&2; exit 1; }
 fi
+
+# IP_PER_REQUEST=1: inference-perf also writes every request's timings (the client's side of
+# a per-request comparison between the routers), prompts included.
+per_request=
+[ "${IP_PER_REQUEST:-0}" = 1 ] && per_request='report:
+  request_lifecycle:
+    per_request: true
+    per_request_fields: {request: true, response: false, info: false, response_chunks: false, computed_metrics: true}'
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
@@ -154,6 +163,7 @@ tokenizer:
 storage:
   local_storage:
     path: $run
+$per_request
 YAML
       tok0=0 tokn0=0 busy0=0
       if [ -n "$RADMIN" ]; then

@@ -46,6 +46,9 @@ fn default_kv_usage_weight() -> f64 {
 fn default_stall_weight() -> f64 {
     0.05
 }
+fn default_recompute_weight() -> f64 {
+    1.0
+}
 fn default_tie_ms() -> f64 {
     50.0
 }
@@ -118,6 +121,12 @@ pub struct PrefixAwareConfig {
     /// stream already running at the replica (the inter-token promise of others).
     #[serde(default = "default_stall_weight")]
     pub stall_weight: f64,
+    /// `ttft` cost: a replica that would prefill again part of the prompt another replica holds
+    /// is charged this × the seconds of that repeated prefill on top of its predicted TTFT
+    /// while it has prefill queued — whoever queues there next waits for the repeat too. An
+    /// idle replica is not charged: the repeat uses capacity nobody was using. 0: off.
+    #[serde(default = "default_recompute_weight")]
+    pub recompute_weight: f64,
     /// `ttft` cost: replicas whose cost is within `max(tie_ms, tie_ratio × best)` of the
     /// cheapest count as tied, and the one holding the longest prefix wins among them.
     #[serde(default = "default_tie_ms")]
@@ -195,6 +204,7 @@ impl Default for PrefixAwareConfig {
         PrefixAwareConfig {
             cost: CostModel::default(),
             stall_weight: default_stall_weight(),
+            recompute_weight: default_recompute_weight(),
             tie_ms: default_tie_ms(),
             tie_ratio: default_tie_ratio(),
             itl_headroom: default_itl_headroom(),
@@ -349,6 +359,7 @@ impl PolicyConfig {
                     ("load_weight", c.load_weight),
                     ("kv_usage_weight", c.kv_usage_weight),
                     ("stall_weight", c.stall_weight),
+                    ("recompute_weight", c.recompute_weight),
                     ("tie_ms", c.tie_ms),
                     ("tie_ratio", c.tie_ratio),
                 ] {

@@ -22,6 +22,18 @@
 //! scratch on another replica, the request goes there (`spread`), and that replica becomes a
 //! second holder — later requests are priced across both.
 //!
+//! **Repeating a held prefix behind a queue is paid twice** (`recompute_weight`, 1.0): a
+//! replica that would prefill again tokens of the prompt another candidate holds, while it has
+//! prefill queued itself, is charged those tokens' prefill seconds once more. The request's
+//! own TTFT is not all it costs: the repeat is work the fleet would not otherwise do, and
+//! whoever queues at that replica next waits for it too. When the fleet is busy everywhere (a
+//! burst of new prompts, all replicas prefilling), prefix after prefix spread on the
+//! prediction alone — each repeat deepening the queues that made the next spread look right
+//! (inference-perf's shared-prefix shape: 23 spreads in 960 requests, 9 of them among the
+//! first 75, ~30% more prefill in the burst; BENCHMARKS, issue 35). An idle replica is not
+//! charged: a repeat there uses capacity nobody was using, and is how a hot prefix gets its
+//! second holder.
+//!
 //! **The inter-token check** (`itl_headroom`, 0.85 by default): before the cost, a replica whose
 //! running streams would see a decode step over 0.85 × the route's inter-token promise is
 //! passed over while another replica would keep within it. The step it would see is its
@@ -91,6 +103,7 @@ impl PrefixAware {
         r: &ReplicaView,
         shared_overhead: f64,
         fleet_step: Option<f64>,
+        held_elsewhere: usize,
     ) -> ReplicaScore {
         let cached = (req.matched(i) * req.block_size).min(req.prompt_tokens);
         // Blocks in the replica's offload tier are loaded, not recomputed: each costs a
@@ -121,13 +134,23 @@ impl PrefixAware {
             }),
             _ => None,
         };
+        let mut recompute_s = 0.0;
         let (cost, estimate) = match self.cfg.cost {
             CostModel::Ttft => {
                 let cached = (req.prompt_tokens as u64).saturating_sub(uncached);
                 let e = r.speed.estimate(uncached, cached);
                 let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
+                // Prefilling again what another replica holds, behind prefill already queued
+                // here: the repeat delays whoever queues here next as well, so it is paid
+                // twice. On an idle replica it uses capacity nobody was using.
+                let repeated = (held_elsewhere as u64).saturating_sub(cached).min(uncached);
+                if repeated > 0 && r.speed.queued_prefill_tokens > 0 {
+                    let without = r.speed.estimate(uncached - repeated, cached + repeated);
+                    recompute_s =
+                        self.cfg.recompute_weight * (e.own_prefill_s - without.own_prefill_s);
+                }
                 let work = e.ttft_s - r.speed.overhead_s;
-                (shared_overhead + work + stall, Some(e))
+                (shared_overhead + work + stall + recompute_s, Some(e))
             }
             CostModel::Tokens => (
                 uncached as f64 * self.cfg.prefill_weight
@@ -142,6 +165,7 @@ impl PrefixAware {
             load,
             cost,
             estimate,
+            recompute_s,
             itl_over,
         }
     }
@@ -229,9 +253,15 @@ impl RoutingPolicy for PrefixAware {
             .min_by(f64::total_cmp)
             .unwrap_or(0.0);
         let fleet_step = median_step(set);
+        // The most of the prompt any candidate holds (tokens): what the others would repeat.
+        let held_elsewhere = set
+            .healthy()
+            .map(|(i, _)| (req.matched(i) * req.block_size).min(req.prompt_tokens))
+            .max()
+            .unwrap_or(0);
         let scores: Vec<ReplicaScore> = set
             .healthy()
-            .map(|(i, r)| self.score(req, i, r, shared_overhead, fleet_step))
+            .map(|(i, r)| self.score(req, i, r, shared_overhead, fleet_step, held_elsewhere))
             .collect();
         // The inter-token promise first (`itl_headroom`): a replica whose streams already see a
         // decode step over the limit is passed over while any keeps within it (when none

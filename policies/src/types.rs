@@ -331,6 +331,9 @@ pub struct ReplicaScore {
     pub cost: f64,
     /// The prediction behind a `ttft` cost.
     pub estimate: Option<TtftEstimate>,
+    /// Under `ttft`: what the cost adds for prefilling again what another replica holds of
+    /// the prompt while this one has prefill queued (`recompute_weight`; s, 0 when none).
+    pub recompute_s: f64,
     /// Under `ttft` with `itl_headroom`: its streams see a decode step over the limit and what
     /// it holds of the prompt is shared (or nothing), so it is passed over while another
     /// replica keeps the limit.

@@ -111,6 +111,7 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
                 "predicted_ttft_s": score.and_then(|s| s.estimate).map(|e| e.ttft_s),
                 "own_prefill_s": score.and_then(|s| s.estimate).map(|e| e.own_prefill_s),
                 "cost": score.map(|s| s.cost),
+                "recompute_charge_s": score.map(|s| s.recompute_s),
                 "itl_over_limit": score.and_then(|s| s.itl_over).map(|o| json!({
                     "p95_gap_s": o.step_s,
                     "limit_s": o.limit_s,

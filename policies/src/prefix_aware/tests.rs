@@ -116,6 +116,38 @@ fn a_hot_prefix_spreads_once_its_holder_is_slower_than_a_cold_prefill() {
 }
 
 #[test]
+fn repeating_a_held_prefix_behind_a_queue_is_paid_twice() {
+    // The holder has 6,000 tokens queued (≈ 0.78 s with this request's 40), the others 1,000
+    // each: a cold prefill of 4,040 behind them is ≈ 0.65 s, so the prediction alone spreads.
+    // But the 4,000 repeated tokens delay whoever queues there next as well (0.5 s more), so
+    // the holder keeps it.
+    let hashes = [7u64; 250];
+    let req = long_request(&hashes, &[250, 0, 0]);
+    let d = policy()
+        .route(&req, &timed_fleet(&[4, 1, 1], &[6000, 1000, 1000]))
+        .unwrap();
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    let charge = d.scores[1].recompute_s;
+    assert!((charge - 4000.0 / 8000.0).abs() < 1e-9, "{charge}");
+    assert_eq!(d.scores[0].recompute_s, 0.0, "the holder repeats nothing");
+    // Off, the same fleet spreads the prefix into a queue.
+    let off = PrefixAware::new(PrefixAwareConfig {
+        recompute_weight: 0.0,
+        ..PrefixAwareConfig::default()
+    });
+    let d = off
+        .route(&req, &timed_fleet(&[4, 1, 1], &[6000, 1000, 1000]))
+        .unwrap();
+    assert_ne!(d.replica, 0, "{:?}", d.scores);
+    // An idle replica is not charged: the repeat uses capacity nobody was using.
+    let d = policy()
+        .route(&req, &timed_fleet(&[4, 1, 1], &[6000, 1000, 0]))
+        .unwrap();
+    assert_eq!(d.replica, 2, "{:?}", d.scores);
+    assert_eq!(d.scores[2].recompute_s, 0.0);
+}
+
+#[test]
 fn a_holder_that_would_break_the_inter_token_promise_is_passed_over() {
     // Replica 0 holds the prompt and is quickest to a first token, but its streams see a
     // 150 ms step: over 0.85 x a 150 ms promise (127.5 ms). The request spreads to a replica
