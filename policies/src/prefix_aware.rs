@@ -32,7 +32,8 @@
 //! (inference-perf's shared-prefix shape: 23 spreads in 960 requests, 9 of them among the
 //! first 75, ~30% more prefill in the burst; BENCHMARKS, issue 35). An idle replica is not
 //! charged: a repeat there uses capacity nobody was using, and is how a hot prefix gets its
-//! second holder.
+//! second holder. Nor is a repeat the inter-token check forces: a holder it passes over is
+//! no alternative.
 //!
 //! **The inter-token check** (`itl_headroom`, 0.85 by default): before the cost, a replica whose
 //! running streams would see a decode step over 0.85 × the route's inter-token promise is
@@ -103,7 +104,6 @@ impl PrefixAware {
         r: &ReplicaView,
         shared_overhead: f64,
         fleet_step: Option<f64>,
-        held_elsewhere: usize,
     ) -> ReplicaScore {
         let cached = (req.matched(i) * req.block_size).min(req.prompt_tokens);
         // Blocks in the replica's offload tier are loaded, not recomputed: each costs a
@@ -134,23 +134,13 @@ impl PrefixAware {
             }),
             _ => None,
         };
-        let mut recompute_s = 0.0;
         let (cost, estimate) = match self.cfg.cost {
             CostModel::Ttft => {
                 let cached = (req.prompt_tokens as u64).saturating_sub(uncached);
                 let e = r.speed.estimate(uncached, cached);
                 let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
-                // Prefilling again what another replica holds, behind prefill already queued
-                // here: the repeat delays whoever queues here next as well, so it is paid
-                // twice. On an idle replica it uses capacity nobody was using.
-                let repeated = (held_elsewhere as u64).saturating_sub(cached).min(uncached);
-                if repeated > 0 && r.speed.queued_prefill_tokens > 0 {
-                    let without = r.speed.estimate(uncached - repeated, cached + repeated);
-                    recompute_s =
-                        self.cfg.recompute_weight * (e.own_prefill_s - without.own_prefill_s);
-                }
                 let work = e.ttft_s - r.speed.overhead_s;
-                (shared_overhead + work + stall + recompute_s, Some(e))
+                (shared_overhead + work + stall, Some(e))
             }
             CostModel::Tokens => (
                 uncached as f64 * self.cfg.prefill_weight
@@ -165,7 +155,7 @@ impl PrefixAware {
             load,
             cost,
             estimate,
-            recompute_s,
+            recompute_s: 0.0,
             itl_over,
         }
     }
@@ -175,6 +165,48 @@ impl PrefixAware {
             load > min_load + abs
                 && load as f64 > self.cfg.balance_rel_threshold * f64::from(min_load.max(1))
         })
+    }
+
+    /// `recompute_weight`: each replica that would prefill again, behind prefill queued there,
+    /// tokens of the prompt a `candidate` holds pays that prefill once more (module docs). The
+    /// holders are the candidates only: one the inter-token check passes over is no
+    /// alternative, and repeating its prefix elsewhere is then the only choice left.
+    fn charge_repeats(
+        &self,
+        req: &RouteRequest<'_>,
+        set: &ReplicaSet,
+        scores: &mut [ReplicaScore],
+        candidate: impl Fn(&ReplicaScore) -> bool,
+    ) {
+        if self.cfg.cost != CostModel::Ttft || self.cfg.recompute_weight == 0.0 {
+            return;
+        }
+        // Tokens a replica has without prefilling them (offloaded blocks are loaded, not
+        // repeated).
+        let kept = |i: usize| {
+            ((req.matched(i) + req.offloaded(i)) * req.block_size).min(req.prompt_tokens) as u64
+        };
+        let held = scores
+            .iter()
+            .filter(|s| candidate(s))
+            .map(|s| kept(s.replica))
+            .max()
+            .unwrap_or(0);
+        for s in scores.iter_mut() {
+            let speed = &set.replicas[s.replica].speed;
+            let cached = kept(s.replica);
+            let repeated = held.saturating_sub(cached);
+            if repeated == 0 || speed.queued_prefill_tokens == 0 {
+                continue;
+            }
+            let uncached = req.prompt_tokens as u64 - cached;
+            let with = speed.estimate(uncached, cached).own_prefill_s;
+            let without = speed
+                .estimate(uncached - repeated, cached + repeated)
+                .own_prefill_s;
+            s.recompute_s = self.cfg.recompute_weight * (with - without);
+            s.cost += s.recompute_s;
+        }
     }
 
     /// The winner among `candidates`: under `ttft`, the longest cached prefix among those tied
@@ -253,21 +285,18 @@ impl RoutingPolicy for PrefixAware {
             .min_by(f64::total_cmp)
             .unwrap_or(0.0);
         let fleet_step = median_step(set);
-        // The most of the prompt any candidate holds (tokens): what the others would repeat.
-        let held_elsewhere = set
+        let mut scores: Vec<ReplicaScore> = set
             .healthy()
-            .map(|(i, _)| (req.matched(i) * req.block_size).min(req.prompt_tokens))
-            .max()
-            .unwrap_or(0);
-        let scores: Vec<ReplicaScore> = set
-            .healthy()
-            .map(|(i, r)| self.score(req, i, r, shared_overhead, fleet_step, held_elsewhere))
+            .map(|(i, r)| self.score(req, i, r, shared_overhead, fleet_step))
             .collect();
         // The inter-token promise first (`itl_headroom`): a replica whose streams already see a
         // decode step over the limit is passed over while any keeps within it (when none
         // does, the cost alone decides) — unless it holds a prefix of this prompt few other
         // requests reuse (a conversation), whose prefill elsewhere nothing would amortise.
         let some_keep = scores.iter().any(|s| s.itl_over.is_none());
+        self.charge_repeats(req, set, &mut scores, |s| {
+            !some_keep || s.itl_over.is_none()
+        });
         let eligible = scores
             .iter()
             .filter(move |s| !some_keep || s.itl_over.is_none());

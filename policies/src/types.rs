@@ -439,7 +439,7 @@ impl CostUnit {
     pub fn describe(self) -> &'static str {
         match self {
             CostUnit::Seconds => {
-                "seconds: predicted TTFT, with the fleet's smallest fixed overhead in place of the replica's own, plus stall_weight x the stall imposed on running streams; lower wins"
+                "seconds: predicted TTFT, with the fleet's smallest fixed overhead in place of the replica's own, plus stall_weight x the stall imposed on running streams, plus recompute_charge_s for repeating behind a queue what another replica holds; lower wins"
             }
             CostUnit::TokenEquivalents => {
                 "token equivalents: uncached prompt tokens + load and KV usage weights; lower wins"

@@ -145,6 +145,23 @@ fn repeating_a_held_prefix_behind_a_queue_is_paid_twice() {
         .unwrap();
     assert_eq!(d.replica, 2, "{:?}", d.scores);
     assert_eq!(d.scores[2].recompute_s, 0.0);
+    // A holder the inter-token check passes over is no alternative: repeating its prefix is
+    // the only choice left, and nobody is charged for it.
+    let mut set = timed_fleet(&[4, 1, 1], &[6000, 1000, 1000]);
+    for (r, step) in set.replicas.iter_mut().zip([0.150, 0.060, 0.055]) {
+        r.speed.current_step_s = Some(step);
+    }
+    let promised = RouteRequest {
+        itl_target_s: Some(0.150),
+        ..req
+    };
+    let d = policy().route(&promised, &set).unwrap();
+    assert_ne!(d.replica, 0, "{:?}", d.scores);
+    assert!(
+        d.scores.iter().all(|s| s.recompute_s == 0.0),
+        "{:?}",
+        d.scores
+    );
 }
 
 #[test]
