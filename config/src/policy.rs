@@ -124,7 +124,9 @@ pub struct PrefixAwareConfig {
     /// `ttft` cost: a replica that would prefill again part of the prompt another replica holds
     /// is charged this × the seconds of that repeated prefill on top of its predicted TTFT
     /// while it has prefill queued — whoever queues there next waits for the repeat too. An
-    /// idle replica is not charged: the repeat uses capacity nobody was using. 0: off.
+    /// idle replica is not charged: the repeat uses capacity nobody was using. Nor is any when
+    /// the holder is passed over by the inter-token check, or its streams would step over
+    /// `warm_headroom` × the promise (the repeat then buys decode headroom). 0: off.
     #[serde(default = "default_recompute_weight")]
     pub recompute_weight: f64,
     /// `ttft` cost: replicas whose cost is within `max(tie_ms, tie_ratio × best)` of the
