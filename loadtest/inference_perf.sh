@@ -22,7 +22,7 @@ out=loadtest/out/inference-perf-$(date +%Y%m%d-%H%M%S)
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=${2:?}; shift ;;
-    -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
