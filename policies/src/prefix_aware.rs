@@ -196,22 +196,15 @@ impl PrefixAware {
             .map(|s| kept(s.replica))
             .max()
             .unwrap_or(0);
-        // A holder whose streams would step near the promise (over `warm_headroom` × it): a
-        // repeat elsewhere buys decode headroom there, which this charge does not see — the
-        // inter-token side decides, as without it.
-        let near = req
-            .itl_target_s
-            .filter(|_| self.cfg.warm_headroom > 0.0)
-            .map(|t| t * self.cfg.warm_headroom);
-        let pressed = |i: usize| {
-            let r = &set.replicas[i];
-            let step = r.speed.step_with(req.prompt_tokens as u64);
-            r.load.requests() > 0 && near.zip(step).is_some_and(|(n, p)| p > n)
-        };
+        // A holder whose streams would step near the promise: a repeat elsewhere buys decode
+        // headroom there, which this charge does not see — the inter-token side decides, as
+        // without it.
         if held == 0
-            || scores
-                .iter()
-                .any(|s| candidate(s) && kept(s.replica) == held && pressed(s.replica))
+            || scores.iter().any(|s| {
+                candidate(s)
+                    && kept(s.replica) == held
+                    && self.steps_near_promise(req, set, s.replica)
+            })
         {
             return;
         }
@@ -230,6 +223,25 @@ impl PrefixAware {
             s.recompute_s = self.cfg.recompute_weight * (with - without);
             s.cost += s.recompute_s;
         }
+    }
+
+    /// Whether replica `i`'s streams would step over `warm_headroom` × the route's inter-token
+    /// promise with this request added: false without a promise, with the headroom at 0, or
+    /// with no streams there. Such a replica is pressed on the inter-token side (warming, the
+    /// repeat charge).
+    pub(super) fn steps_near_promise(
+        &self,
+        req: &RouteRequest<'_>,
+        set: &ReplicaSet,
+        i: usize,
+    ) -> bool {
+        let r = &set.replicas[i];
+        let near = req
+            .itl_target_s
+            .filter(|_| self.cfg.warm_headroom > 0.0)
+            .map(|t| t * self.cfg.warm_headroom);
+        let step = r.speed.step_with(req.prompt_tokens as u64);
+        r.load.requests() > 0 && near.zip(step).is_some_and(|(n, p)| p > n)
     }
 
     /// The winner among `candidates`: under `ttft`, the longest cached prefix among those tied

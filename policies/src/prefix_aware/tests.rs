@@ -155,23 +155,16 @@ fn repeating_a_held_prefix_behind_a_queue_is_paid_twice() {
         itl_target_s: Some(0.150),
         ..req
     };
+    let uncharged = |d: &RouteDecision| d.scores.iter().all(|s| s.recompute_s == 0.0);
     let d = policy().route(&promised, &set).unwrap();
     assert_ne!(d.replica, 0, "{:?}", d.scores);
-    assert!(
-        d.scores.iter().all(|s| s.recompute_s == 0.0),
-        "{:?}",
-        d.scores
-    );
+    assert!(uncharged(&d), "{:?}", d.scores);
     // Nor is a repeat away from a holder whose streams step near the promise (over 0.7 × it,
     // under the check's 0.85 ×): it buys decode headroom there.
     set.replicas[0].speed.current_step_s = Some(0.120);
     let d = policy().route(&promised, &set).unwrap();
     assert!(d.scores[0].itl_over.is_none(), "{:?}", d.scores);
-    assert!(
-        d.scores.iter().all(|s| s.recompute_s == 0.0),
-        "{:?}",
-        d.scores
-    );
+    assert!(uncharged(&d), "{:?}", d.scores);
     set.replicas[0].speed.current_step_s = Some(0.080);
     let d = policy().route(&promised, &set).unwrap();
     assert!(d.scores[1].recompute_s > 0.0, "{:?}", d.scores);

@@ -37,17 +37,6 @@ impl PrefixAware {
         {
             return None;
         }
-        let warn = req
-            .itl_target_s
-            .filter(|_| self.cfg.warm_headroom > 0.0)
-            .map(|t| t * self.cfg.warm_headroom);
-        // The step a replica's streams would see with this request, where it has streams.
-        let step = |i: usize| {
-            let r = &set.replicas[i];
-            r.speed
-                .step_with(req.prompt_tokens as u64)
-                .filter(|_| r.load.requests() > 0)
-        };
         let ttft = |s: &ReplicaScore| s.estimate.map(|e| e.ttft_s);
         let cold = scores
             .iter()
@@ -55,7 +44,7 @@ impl PrefixAware {
             .filter_map(ttft)
             .min_by(f64::total_cmp);
         let pressed = |s: &ReplicaScore| {
-            if warn.zip(step(s.replica)).is_some_and(|(w, p)| p > w) {
+            if self.steps_near_promise(req, set, s.replica) {
                 return Some(WarmReason::InterToken);
             }
             let share = self.cfg.warm_queue_share;
@@ -72,7 +61,7 @@ impl PrefixAware {
         let target = scores
             .iter()
             .filter(|s| s.matched_blocks < chosen.matched_blocks && s.itl_over.is_none())
-            .filter(|s| !warn.zip(step(s.replica)).is_some_and(|(w, p)| p > w))
+            .filter(|s| !self.steps_near_promise(req, set, s.replica))
             .min_by(|a, b| a.cost.total_cmp(&b.cost))?;
         Some(Warm {
             replica: target.replica,
