@@ -96,6 +96,10 @@ pub struct ReplicaArgs {
     /// Turn prefix caching off (every prompt is prefilled in full).
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Compute a prompt's prefix again beside the request already computing it, as vLLM does,
+    /// instead of waiting for it (the gateway then holds such prompts back itself).
+    #[arg(long)]
+    pub no_prefix_wait: bool,
     /// Multiply every modelled step time (sim only; 1.0 = real time).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
@@ -196,6 +200,7 @@ pub async fn run_replica(a: ReplicaArgs) -> Result<()> {
     cfg.num_gpu_blocks = a.num_gpu_blocks;
     cfg.kv_cache_dtype = kv;
     cfg.enable_prefix_caching = !a.no_prefix_caching;
+    cfg.wait_for_prefix_in_flight = !a.no_prefix_wait;
     cfg.compute_efficiency = a.model.compute_efficiency;
     cfg.bandwidth_efficiency = a.model.bandwidth_efficiency;
     cfg.time_scale = a.time_scale;

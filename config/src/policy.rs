@@ -49,6 +49,9 @@ fn default_stall_weight() -> f64 {
 fn default_recompute_weight() -> f64 {
     1.0
 }
+fn default_displace_weight() -> f64 {
+    1.0
+}
 fn default_tie_ms() -> f64 {
     50.0
 }
@@ -129,6 +132,14 @@ pub struct PrefixAwareConfig {
     /// `warm_headroom` × the promise (the repeat then buys decode headroom). 0: off.
     #[serde(default = "default_recompute_weight")]
     pub recompute_weight: f64,
+    /// `ttft` cost: a replica is charged this × the waiting its own prefill would impose on the
+    /// requests expected to arrive for that replica's cache meanwhile: its reuse rate (requests
+    /// a second that were sent there to use what it holds) × own prefill seconds² / 2. An
+    /// engine prefills the prompts it is running before it admits new ones, so a long cold
+    /// prompt on the holder of a busy prefix holds up that prefix's next requests; elsewhere it
+    /// holds up nobody. 0: off.
+    #[serde(default = "default_displace_weight")]
+    pub displace_weight: f64,
     /// `ttft` cost: replicas whose cost is within `max(tie_ms, tie_ratio × best)` of the
     /// cheapest count as tied, and the one holding the longest prefix wins among them.
     #[serde(default = "default_tie_ms")]
@@ -207,6 +218,7 @@ impl Default for PrefixAwareConfig {
             cost: CostModel::default(),
             stall_weight: default_stall_weight(),
             recompute_weight: default_recompute_weight(),
+            displace_weight: default_displace_weight(),
             tie_ms: default_tie_ms(),
             tie_ratio: default_tie_ratio(),
             itl_headroom: default_itl_headroom(),
@@ -362,6 +374,7 @@ impl PolicyConfig {
                     ("kv_usage_weight", c.kv_usage_weight),
                     ("stall_weight", c.stall_weight),
                     ("recompute_weight", c.recompute_weight),
+                    ("displace_weight", c.displace_weight),
                     ("tie_ms", c.tie_ms),
                     ("tie_ratio", c.tie_ratio),
                 ] {

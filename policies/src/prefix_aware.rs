@@ -39,6 +39,17 @@
 //! holders just over the promise (goodput 0.72× and 0.91× sglang's against 0.86× and 1.13×
 //! without the charge, seed 5).
 //!
+//! **A long prefill is priced for whom it holds up** (`displace_weight`, 1.0): an engine
+//! prefills the prompts it is running before it admits new ones, so while a request's own
+//! prefill runs, every request that arrives for what the replica holds waits for it. Each
+//! replica is charged the expected wait: its reuse rate (requests a second recently sent there
+//! to use its cache, [`SpeedView::reuse_rate`]) × own prefill seconds² / 2 (arrivals over
+//! the prefill, each waiting half of it on average). A short prefill costs next to nothing
+//! anywhere; a cold 5,000-token prompt (~2 s on a time-scaled A100) is sent to a replica
+//! whose cache few requests use rather than to the holder of a busy application's prompt,
+//! whose next requests would otherwise queue behind it (the apps shape: a 2,509-token
+//! follower waited 1.2 s there where sglang-router's took 40 ms; BENCHMARKS, issue 28).
+//!
 //! **The inter-token check** (`itl_headroom`, 0.85 by default): before the cost, a replica whose
 //! running streams would see a decode step over 0.85 × the route's inter-token promise is
 //! passed over while another replica would keep within it. The step it would see is its
@@ -138,19 +149,24 @@ impl PrefixAware {
             }),
             _ => None,
         };
-        let (cost, estimate) = match self.cfg.cost {
+        let (cost, estimate, displace_s) = match self.cfg.cost {
             CostModel::Ttft => {
                 let cached = (req.prompt_tokens as u64).saturating_sub(uncached);
                 let e = r.speed.estimate(uncached, cached);
                 let stall = self.cfg.stall_weight * e.own_prefill_s * f64::from(load);
+                // The requests expected here for what it holds while this prefill runs, each
+                // waiting half of it on average (module docs).
+                let displace =
+                    self.cfg.displace_weight * r.speed.reuse_rate * e.own_prefill_s.powi(2) / 2.0;
                 let work = e.ttft_s - r.speed.overhead_s;
-                (shared_overhead + work + stall, Some(e))
+                (shared_overhead + work + stall + displace, Some(e), displace)
             }
             CostModel::Tokens => (
                 uncached as f64 * self.cfg.prefill_weight
                     + f64::from(load) * self.cfg.load_weight
                     + r.load.kv_usage * self.cfg.kv_usage_weight,
                 None,
+                0.0,
             ),
         };
         ReplicaScore {
@@ -160,6 +176,7 @@ impl PrefixAware {
             cost,
             estimate,
             recompute_s: 0.0,
+            displace_s,
             itl_over,
         }
     }

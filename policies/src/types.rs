@@ -61,6 +61,9 @@ pub struct SpeedView {
     /// its memory time and its compute: a prefill that fits under a decode step still takes
     /// the whole step, and one that does not sets it.
     pub join_step_s: f64,
+    /// Requests a second sent here to use what it holds (their match here was not empty),
+    /// decayed over the last half-minute or so: how many would wait behind a long prefill here.
+    pub reuse_rate: f64,
 }
 
 impl Default for SpeedView {
@@ -79,6 +82,7 @@ impl Default for SpeedView {
             chunk_tokens: 2048,
             step_wait_s: 0.0,
             join_step_s: 0.0,
+            reuse_rate: 0.0,
         }
     }
 }
@@ -334,6 +338,10 @@ pub struct ReplicaScore {
     /// Under `ttft`: what the cost adds for prefilling again what another replica holds of
     /// the prompt while this one has prefill queued (`recompute_weight`; s, 0 when none).
     pub recompute_s: f64,
+    /// Under `ttft`: what the cost adds for the waiting this request's own prefill would
+    /// impose on the requests expected to arrive for what the replica holds
+    /// (`displace_weight`; s, 0 when none).
+    pub displace_s: f64,
     /// Under `ttft` with `itl_headroom`: its streams see a decode step over the limit and what
     /// it holds of the prompt is shared (or nothing), so it is passed over while another
     /// replica keeps the limit.
@@ -439,7 +447,7 @@ impl CostUnit {
     pub fn describe(self) -> &'static str {
         match self {
             CostUnit::Seconds => {
-                "seconds: predicted TTFT, with the fleet's smallest fixed overhead in place of the replica's own, plus stall_weight x the stall imposed on running streams, plus recompute_charge_s for repeating behind a queue what another replica holds; lower wins"
+                "seconds: predicted TTFT, with the fleet's smallest fixed overhead in place of the replica's own, plus stall_weight x the stall imposed on running streams, plus recompute_charge_s for repeating behind a queue what another replica holds, plus displace_charge_s for the wait its own prefill would impose on the requests expected for that replica's cache; lower wins"
             }
             CostUnit::TokenEquivalents => {
                 "token equivalents: uncached prompt tokens + load and KV usage weights; lower wins"

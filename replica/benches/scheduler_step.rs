@@ -48,6 +48,7 @@ fn decoding_scheduler(backend: &mut SimBackend) -> Scheduler {
         max_num_batched_tokens: 8192,
         max_model_len: 40_960,
         enable_prefix_caching: true,
+        wait_for_prefix_in_flight: true,
         background_chunk_tokens: 0,
     });
     for i in 0..256u64 {

@@ -46,6 +46,7 @@ impl Rig {
                 max_num_batched_tokens: budget,
                 max_model_len: 8192,
                 enable_prefix_caching: true,
+                wait_for_prefix_in_flight: true,
                 background_chunk_tokens: 0,
             }),
             backend: CpuBackend::new(w.clone(), BS, blocks, threads).unwrap(),

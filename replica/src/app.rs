@@ -47,6 +47,9 @@ pub struct ReplicaConfig {
     pub num_gpu_blocks: Option<usize>,
     pub kv_cache_dtype: KvDtype,
     pub enable_prefix_caching: bool,
+    /// A prompt whose prefix another request is computing waits for it (the scheduler's
+    /// `wait_for_prefix_in_flight`); off, the engine computes it again beside it, as vLLM does.
+    pub wait_for_prefix_in_flight: bool,
     pub compute_efficiency: f64,
     pub bandwidth_efficiency: f64,
     /// Multiplies every modelled step time (1.0 = real time).
@@ -90,6 +93,7 @@ impl ReplicaConfig {
             num_gpu_blocks: None,
             kv_cache_dtype: KvDtype::Auto,
             enable_prefix_caching: true,
+            wait_for_prefix_in_flight: true,
             compute_efficiency: crate::roofline::DEFAULT_COMPUTE_EFFICIENCY,
             bandwidth_efficiency: crate::roofline::DEFAULT_BANDWIDTH_EFFICIENCY,
             time_scale: 1.0,
@@ -517,6 +521,7 @@ pub async fn build_server(
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         max_model_len,
         enable_prefix_caching: cfg.enable_prefix_caching,
+        wait_for_prefix_in_flight: cfg.wait_for_prefix_in_flight,
         background_chunk_tokens: cfg.background_chunk_tokens,
     };
     let metrics = Arc::new(ReplicaMetrics::new(&cfg.replica_id));
@@ -562,6 +567,7 @@ pub async fn build_server(
         max_model_len,
         kv_cache_dtype,
         enable_prefix_caching: cfg.enable_prefix_caching,
+        waits_for_prefix_in_flight: cfg.enable_prefix_caching && cfg.wait_for_prefix_in_flight,
         created: unix_now(),
         prefill_tokens_per_s,
         sim_timing: matches!(cfg.backend, BackendKind::Sim).then_some(crate::state::SimTiming {

@@ -222,6 +222,7 @@ pub struct Engine {
     live: HashMap<SeqId, Live>,
     reported_prefix: (u64, u64),
     reported_preemptions: u64,
+    reported_prefix_waits: u64,
     window_start: Instant,
     window_tokens: u64,
     virtual_end: Option<Instant>,
@@ -261,6 +262,7 @@ impl Engine {
             live: HashMap::new(),
             reported_prefix: (0, 0),
             reported_preemptions: 0,
+            reported_prefix_waits: 0,
             window_start: Instant::now(),
             window_tokens: 0,
             virtual_end: None,
@@ -510,6 +512,9 @@ impl Engine {
         m.preemptions
             .increment(s.preemptions() - self.reported_preemptions);
         self.reported_preemptions = s.preemptions();
+        m.prefix_waits
+            .increment(s.prefix_waits() - self.reported_prefix_waits);
+        self.reported_prefix_waits = s.prefix_waits();
         m.prefix_queries
             .increment(prefix.query_tokens - self.reported_prefix.0);
         m.prefix_hits

@@ -195,6 +195,9 @@ pub fn server_info(state: &AppState) -> Response<Body> {
             "context_length": i.max_model_len,
             "kv_cache_dtype": i.kv_cache_dtype,
             "enable_prefix_caching": i.enable_prefix_caching,
+            // The scheduler admits a prompt whose next uncached block another request is
+            // computing only once that block is computed (`scheduler.rs`).
+            "waits_for_prefix_in_flight": i.waits_for_prefix_in_flight,
             "dp_size": 1,
             "tp_size": 1,
             "prefill_tokens_per_s": i.prefill_tokens_per_s,

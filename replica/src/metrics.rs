@@ -40,6 +40,7 @@ pub struct ReplicaMetrics {
     pub requests_running: Gauge,
     pub tokens_per_second: Gauge,
     pub preemptions: Counter,
+    pub prefix_waits: Counter,
     pub prefix_queries: Counter,
     pub prefix_hits: Counter,
     pub prompt_tokens: Counter,
@@ -161,6 +162,10 @@ impl ReplicaMetrics {
             preemptions: c(
                 "kvgate_replica_preemptions_total",
                 "Sequences preempted (recompute) for lack of KV blocks",
+            ),
+            prefix_waits: c(
+                "kvgate_replica_prefix_waits_total",
+                "Requests that waited for a prompt prefix another request was computing, instead of computing it again beside it",
             ),
             prefix_queries: c(
                 "kvgate_replica_prefix_cache_queries_tokens_total",

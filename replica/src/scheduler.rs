@@ -13,7 +13,7 @@
 //! back to the pool (where its prefix stays cached until evicted) and it returns to the waiting
 //! queue to be recomputed later. The scheduler is clock-free; the engine supplies time.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -32,6 +32,9 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
+    /// A prompt whose next uncached block another request is computing waits for it rather
+    /// than computing it again beside it (SGLang's in-batch prefix check; vLLM has none).
+    pub wait_for_prefix_in_flight: bool,
     /// Prompt tokens a request prefills per step at most while a more important one is
     /// present (a batch-class prompt beside interactive work; 0: no cap), so a step carrying
     /// it stays short and an interactive arrival waits little for it.
@@ -97,6 +100,9 @@ struct Sequence {
     committed: usize,
     cached_tokens: Option<usize>,
     scheduled: usize,
+    /// Set (to the blocks it had cached) the first time it waited for a prefix another
+    /// sequence was computing.
+    waits_for_prefix: Option<usize>,
 }
 
 impl Sequence {
@@ -106,6 +112,13 @@ impl Sequence {
 
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// The hashes of the full prompt blocks not computed yet.
+    fn uncomputed_prompt_blocks(&self, block_size: usize) -> impl Iterator<Item = u64> + '_ {
+        let full = (self.prompt_len / block_size).min(self.hashes.len());
+        let done = (self.num_computed / block_size).min(full);
+        self.hashes[done..full].iter().copied()
     }
 }
 
@@ -181,6 +194,8 @@ pub struct Scheduler {
     running: Vec<Sequence>,
     next_arrival: u64,
     preemptions: u64,
+    /// Sequences that waited for a prefix another one was computing (counted once each).
+    prefix_waits: u64,
     /// The most important priority among the sequences at the last plan.
     best_present: i32,
 }
@@ -204,6 +219,7 @@ impl Scheduler {
             best_present: 0,
             next_arrival: 0,
             preemptions: 0,
+            prefix_waits: 0,
         }
     }
 
@@ -234,6 +250,11 @@ impl Scheduler {
 
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// Sequences that waited for a prefix another one was computing, since start.
+    pub fn prefix_waits(&self) -> u64 {
+        self.prefix_waits
     }
 
     pub fn prefix_stats(&self) -> PrefixStats {
@@ -267,6 +288,7 @@ impl Scheduler {
             committed: 0,
             cached_tokens: None,
             scheduled: 0,
+            waits_for_prefix: None,
         };
         self.waiting.insert(seq.key(), seq);
         Ok(())
@@ -305,6 +327,18 @@ impl Scheduler {
         self.waiting.insert(seq.key(), seq);
     }
 
+    /// The hashes of the prompt blocks running sequences have still to compute: a waiting
+    /// prompt that shares one waits for it (only with prefix caching, which shares them).
+    fn blocks_in_progress(&self) -> HashSet<u64> {
+        if !self.cfg.enable_prefix_caching || !self.cfg.wait_for_prefix_in_flight {
+            return HashSet::new();
+        }
+        self.running
+            .iter()
+            .flat_map(|s| s.uncomputed_prompt_blocks(self.cfg.block_size))
+            .collect()
+    }
+
     /// Plans the next step.
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
@@ -333,16 +367,28 @@ impl Scheduler {
         self.run_phase(false, waiting_best, &mut budget, &mut out);
 
         // Waiting sequences, in priority-then-arrival order; the head blocks those behind it
-        // when it does not fit (FCFS), as in vLLM.
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(mut entry) = self.waiting.first_entry() else {
+        // when it does not fit (FCFS), as in vLLM. A sequence whose next uncached block is
+        // being computed for another one (a prompt in progress, or one admitted above) waits
+        // for it instead of computing it again beside it, and does not block those behind.
+        let mut in_progress = self.blocks_in_progress();
+        let order: Vec<(i32, u64)> = self.waiting.keys().copied().collect();
+        for key in order {
+            if budget == 0 || self.running.len() >= self.cfg.max_num_seqs {
                 break;
-            };
-            let s = entry.get_mut();
+            }
+            let s = self.waiting.get_mut(&key).expect("keys taken above");
             let total = s.tokens.len();
             let mut pool = self.pool.lock();
             let max_hit = cacheable_prompt_blocks(total, bs).min(s.hashes.len());
             let hit = pool.lookup_prefix(&s.hashes[..max_hit]);
+            if hit.len() < max_hit && in_progress.contains(&s.hashes[hit.len()]) {
+                drop(pool);
+                if s.waits_for_prefix.is_none() {
+                    s.waits_for_prefix = Some(hit.len());
+                    self.prefix_waits += 1;
+                }
+                continue;
+            }
             let cached = hit.len() * bs;
             let n = (total - cached).min(budget).min(chunk_cap(
                 &self.cfg,
@@ -381,7 +427,8 @@ impl Scheduler {
                 block_table: s.blocks.ids().to_vec(),
                 sampling: s.req.sampling.clone(),
             });
-            let seq = entry.remove();
+            let seq = self.waiting.remove(&key).expect("keys taken above");
+            in_progress.extend(seq.uncomputed_prompt_blocks(bs));
             self.running.push(seq);
         }
         if waiting_best.is_some() {

@@ -28,6 +28,8 @@ pub struct ReplicaInfo {
     pub max_model_len: usize,
     pub kv_cache_dtype: &'static str,
     pub enable_prefix_caching: bool,
+    /// The scheduler holds back a prompt whose prefix another request is computing.
+    pub waits_for_prefix_in_flight: bool,
     pub created: u64,
     /// The replica's own estimate of its prefill throughput (tokens/s) at full chunks: the
     /// gateway's admission starts from it (`prefill_tokens_per_s` in `/server_info`).

@@ -64,6 +64,7 @@ fn greedy_tokens_match_llama_cpp_on_the_same_file() {
         max_num_batched_tokens: 4096,
         max_model_len: 2048,
         enable_prefix_caching: true,
+        wait_for_prefix_in_flight: true,
         background_chunk_tokens: 0,
     });
     let mut backend = CpuBackend::new(w, 16, blocks, 2).unwrap();

@@ -61,6 +61,7 @@ impl Rig {
             max_num_batched_tokens: budget,
             max_model_len: 4096,
             enable_prefix_caching: prefix_caching,
+            wait_for_prefix_in_flight: true,
             background_chunk_tokens: 0,
         });
         let mut backend = CpuBackend::new(weights(), BS, num_blocks, 2).unwrap();

@@ -445,16 +445,19 @@ async fn the_gateway_learns_each_replicas_speed_from_streams() {
 }
 
 /// A burst's follower, sent while the first request is still prefilling the prefix they share,
-/// waits at the gateway for the replica to report those blocks (`prefix_in_flight`) and then
-/// finds the whole prefix cached; with the wait off it is sent at once and finds only the part
-/// computed so far.
+/// finds the whole prefix cached: a kvgate replica holds it back itself until the blocks are
+/// computed, so the gateway sends it at once; in front of an engine that does not (a replica
+/// with `--no-prefix-wait`, as vLLM), the gateway waits for the replica to report those blocks
+/// (`prefix_in_flight`); with neither wait it is sent at once and finds only the part computed
+/// so far.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_waits_for_the_prefix_in_flight_instead_of_prefilling_it_again() {
-    async fn burst(wait_ms: u64) -> (u64, u64, String) {
+    async fn burst(engine_waits: bool, wait_ms: u64) -> (u64, u64, f64) {
         // Small chunks and a slowed clock: the first prefill takes about 0.7 s.
         let rep = start_replica(|c| {
             c.max_num_batched_tokens = 256;
             c.time_scale = 10.0;
+            c.wait_for_prefix_in_flight = engine_waits;
         })
         .await;
         let gw = start_gateway(&[&rep], |c| {
@@ -487,21 +490,35 @@ async fn a_follower_waits_for_the_prefix_in_flight_instead_of_prefilling_it_agai
         let cached = follower["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap();
-        (prompt, cached, gw.metrics_text().await)
+        let held = gw
+            .metrics_text()
+            .await
+            .lines()
+            .find(|l| {
+                l.starts_with("kvgate_gateway_admission_holds_total")
+                    && l.contains("reason=\"prefix_in_flight\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        (prompt, cached, held)
     }
-    let (prompt, cached, metrics) = burst(5_000).await;
     // Everything but the differing question (and the block it starts in) came from the cache.
-    assert!(cached + 32 >= prompt, "waited: {cached} of {prompt} cached");
-    let held = metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("kvgate_gateway_admission_holds_total")
-                && l.contains("reason=\"prefix_in_flight\"")
-        })
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .unwrap_or(0.0);
+    let (prompt, cached, held) = burst(true, 5_000).await;
+    assert!(
+        cached + 32 >= prompt,
+        "engine waited: {cached} of {prompt} cached"
+    );
+    assert_eq!(
+        held, 0.0,
+        "the gateway does not hold what the engine waits for"
+    );
+    let (prompt, cached, held) = burst(false, 5_000).await;
+    assert!(
+        cached + 32 >= prompt,
+        "gateway waited: {cached} of {prompt} cached"
+    );
     assert!(held >= 1.0, "the wait is counted: {held}");
-    let (prompt, cached, _) = burst(0).await;
+    let (prompt, cached, _) = burst(false, 0).await;
     assert!(
         cached + 32 < prompt,
         "sent at once: {cached} of {prompt} cached"

@@ -8,7 +8,7 @@
 //! from the gateway's ([`prompt_check`]: a drifted tokenizer or chat template), how many tokens
 //! they generate per second ([`throughput`], for the cost gauge), how their decode step grows
 //! with the context in flight ([`step_fit`]), the statistics of their inter-token gaps
-//! ([`gap_stats`]). Their KV event
+//! ([`gap_stats`]), how many requests a second come to use their cache ([`reuse_rate`]). Their KV event
 //! streams are followed here ([`events`], [`tasks`]) and written into the prefix index
 //! (`prefix/`).
 
@@ -27,6 +27,7 @@ pub mod probes;
 pub mod prompt_check;
 pub mod registry;
 pub mod replica;
+pub mod reuse_rate;
 pub mod step_fit;
 pub mod step_phase;
 pub mod tasks;

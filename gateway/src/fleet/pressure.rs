@@ -18,10 +18,15 @@ pub struct ReplicaPressure {
 }
 
 impl Registry {
-    /// Records `tokens` of prompt sent to replica `slot` (projected KV until the next report).
-    pub fn note_dispatch(&self, slot: usize, tokens: u64) {
+    /// Records `tokens` of prompt sent to replica `slot` (projected KV until the next report),
+    /// and, when it was sent there to use `matched_blocks` of its cache, one use of that cache
+    /// (its reuse rate).
+    pub fn note_dispatch(&self, slot: usize, tokens: u64, matched_blocks: usize) {
         if let Some(r) = self.replica(slot) {
             r.since_poll_tokens.fetch_add(tokens, Ordering::Relaxed);
+            if matched_blocks > 0 {
+                r.reuse.note(std::time::Instant::now());
+            }
         }
     }
 

@@ -14,7 +14,8 @@ use crate::fleet::replica::ReplicaHandle;
 
 impl Registry {
     /// Learns from `/server_info` (kvgate and SGLang replicas): the prefill-rate prior of the
-    /// TTFT model (`prefill_tokens_per_s`), the chunk budget (`chunked_prefill_size`); returns
+    /// TTFT model (`prefill_tokens_per_s`), the chunk budget (`chunked_prefill_size`), whether
+    /// the engine holds back a prompt whose prefix is being computed (`waits_for_prefix_in_flight`); returns
     /// the replica's own id (`replica_id`) when it reports one.
     pub(super) async fn learn_server_info(
         &self,
@@ -30,6 +31,10 @@ impl Registry {
         if let Some(chunk) = v["chunked_prefill_size"].as_u64().filter(|&c| c > 0) {
             r.chunk_tokens.store(chunk, Ordering::Relaxed);
         }
+        r.waits_for_prefix.store(
+            v["waits_for_prefix_in_flight"].as_bool().unwrap_or(false),
+            Ordering::Relaxed,
+        );
         if let Some(rate) = v["prefill_tokens_per_s"].as_f64() {
             r.model
                 .lock()

@@ -20,6 +20,7 @@ use crate::fleet::client::FleetClient;
 use crate::fleet::latency_model::LatencyModel;
 use crate::fleet::prefill_queue::{PrefillQueue, Running};
 use crate::fleet::prompt_check::{PromptCheck, Verdict};
+use crate::fleet::reuse_rate::ReuseRate;
 use crate::fleet::throughput::{BusyClock, Throughput};
 use crate::metrics::{GatewayMetrics, ReplicaMetrics};
 
@@ -88,6 +89,12 @@ pub struct ReplicaHandle {
     /// Prompt tokens the replica prefills per step (`chunked_prefill_size` in `/server_info`,
     /// as kvgate and SGLang report it; 0: not known).
     pub(super) chunk_tokens: AtomicU64,
+    /// The engine admits a prompt whose prefix another request is computing only once it is
+    /// computed (`waits_for_prefix_in_flight` in a kvgate replica's `/server_info`): the
+    /// gateway need not hold such a prompt back itself.
+    pub(super) waits_for_prefix: AtomicBool,
+    /// Requests a second sent here to use what it holds.
+    pub(super) reuse: ReuseRate,
     /// Reported blocks dropped from the prefix index past its cap, in all.
     pub(super) evicted: AtomicU64,
     /// Unusable answers in a row (outlier detection, `outlier.rs`).
@@ -143,6 +150,8 @@ impl ReplicaHandle {
             since_poll_tokens: AtomicU64::new(0),
             max_model_len: AtomicU64::new(0),
             chunk_tokens: AtomicU64::new(0),
+            waits_for_prefix: AtomicBool::new(false),
+            reuse: ReuseRate::default(),
             warned_at_ms: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
             upstream_fails: AtomicU32::new(0),
@@ -261,6 +270,11 @@ impl ReplicaHandle {
     /// block `k`: that prefix is still being prefilled here.
     pub fn computing(&self, k: usize, hash: u64) -> bool {
         self.prefill.computing(k, hash) || self.background_prefill.computing(k, hash)
+    }
+
+    /// Whether the engine itself holds a prompt back while another request computes its prefix.
+    pub fn waits_for_prefix_in_flight(&self) -> bool {
+        self.waits_for_prefix.load(Ordering::Relaxed)
     }
 
     /// Whether the KV event stream is connected and indexed (index exact for this replica):
@@ -389,6 +403,7 @@ impl ReplicaHandle {
             chunk_tokens: self.chunk_tokens(),
             step_wait_s: joined.step_wait_s,
             join_step_s: joined.step_s,
+            reuse_rate: self.reuse.rate(now),
         }
     }
 }

@@ -190,7 +190,7 @@ impl Admitter<'_> {
                             rt.stats.holds_lost.increment(1);
                         }
                         let (fleet, prefix) = (self.placer.fleet, self.placer.prefix);
-                        fleet.note_dispatch(d.replica, p.prompt_tokens as u64);
+                        fleet.note_dispatch(d.replica, p.prompt_tokens as u64, d.matched_blocks);
                         prefix.sent(d.replica, p.blocks(), Some(&matched), fleet.now_s());
                         let Some(replica) = fleet.replica(d.replica) else {
                             continue;

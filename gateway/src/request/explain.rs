@@ -107,11 +107,13 @@ pub fn explain(placer: &Placer<'_>, p: &Prepared, a: &ActivePolicy, route: &Acti
                     "chunk_tokens": r.speed.chunk_tokens,
                     "step_wait_s": r.speed.step_wait_s,
                     "join_step_s": r.speed.join_step_s,
+                    "reuse_rate": r.speed.reuse_rate,
                 },
                 "predicted_ttft_s": score.and_then(|s| s.estimate).map(|e| e.ttft_s),
                 "own_prefill_s": score.and_then(|s| s.estimate).map(|e| e.own_prefill_s),
                 "cost": score.map(|s| s.cost),
                 "recompute_charge_s": score.map(|s| s.recompute_s),
+                "displace_charge_s": score.map(|s| s.displace_s),
                 "itl_over_limit": score.and_then(|s| s.itl_over).map(|o| json!({
                     "p95_gap_s": o.step_s,
                     "limit_s": o.limit_s,

@@ -23,7 +23,10 @@
 //! (`prefix_in_flight`, not blocking the queue) until the replica confirms them, for at most
 //! `prefix_in_flight_wait_ms`. An engine caches only computed blocks: sent at once, a burst's
 //! followers prefill the unfinished part of the shared prefix again beside the first request,
-//! slowing it and themselves (BENCHMARKS, issue 11, bursty traffic).
+//! slowing it and themselves (BENCHMARKS, issue 11, bursty traffic). A kvgate replica waits
+//! for such a prefix itself (its `/server_info` says `waits_for_prefix_in_flight`), joining the
+//! step after the blocks are computed, so the gateway sends the request at once: no hold, and
+//! no round trip through the KV events after the prefix is done.
 
 use std::time::Duration;
 
@@ -334,7 +337,7 @@ impl Placer<'_> {
         let Some(r) = self.fleet.replica(d.replica) else {
             return false;
         };
-        if !r.events_live() {
+        if !r.events_live() || r.waits_for_prefix_in_flight() {
             return false;
         }
         let confirmed = self.confirmed(p).get(d.replica).copied().unwrap_or(0);

@@ -603,3 +603,37 @@ fn a_holder_with_half_a_cold_prefill_queued_gets_a_second_holder() {
     let calm = timed_fleet(&[4, 0, 2], &[600, 0, 200]);
     assert_eq!(policy().route(&req, &calm).unwrap().warm, None);
 }
+
+#[test]
+fn a_long_cold_prefill_goes_where_it_holds_up_the_fewest_requests() {
+    // A cold 4,040-token prompt (≈ 0.5 s here) on two idle replicas alike but for their
+    // reuse: 4 requests a second come to use replica 0's cache, none replica 1's. On replica
+    // 0 about 2 of them would wait a quarter of a second each for it.
+    let hashes = [7u64; 250];
+    let req = long_request(&hashes, &[0, 0]);
+    let mut set = timed_fleet(&[1, 1], &[0, 0]);
+    set.replicas[0].speed.reuse_rate = 4.0;
+    let d = policy().route(&req, &set).unwrap();
+    assert_eq!(d.replica, 1, "{:?}", d.scores);
+    let own = d.scores[0].estimate.unwrap().own_prefill_s;
+    let charge = d.scores[0].displace_s;
+    assert!((charge - 4.0 * own * own / 2.0).abs() < 1e-9, "{charge}");
+    assert_eq!(d.scores[1].displace_s, 0.0);
+    // A turn of a conversation replica 0 holds still goes there: its own prefill is short,
+    // and prefilling the whole history elsewhere would cost far more.
+    let d = policy()
+        .route(&long_request(&hashes, &[245, 0]), &set)
+        .unwrap();
+    assert_eq!(d.replica, 0, "{:?}", d.scores);
+    // Off, the two replicas tie again and the charge is not made.
+    let off = PrefixAware::new(PrefixAwareConfig {
+        displace_weight: 0.0,
+        ..PrefixAwareConfig::default()
+    });
+    let d = off.route(&req, &set).unwrap();
+    assert!(
+        d.scores.iter().all(|s| s.displace_s == 0.0),
+        "{:?}",
+        d.scores
+    );
+}

@@ -10,6 +10,7 @@ fn cfg(num_blocks: usize) -> SchedulerConfig {
         max_num_batched_tokens: 64,
         max_model_len: 100_000,
         enable_prefix_caching: true,
+        wait_for_prefix_in_flight: true,
         background_chunk_tokens: 0,
     }
 }
@@ -215,6 +216,7 @@ fn chunked_prefill_keeps_every_decode_progressing() {
         background_chunk_tokens: 0,
         max_model_len: 131_072,
         enable_prefix_caching: true,
+        wait_for_prefix_in_flight: true,
     });
     for i in 0..16 {
         s.add(req(
@@ -318,4 +320,74 @@ fn a_background_prompt_prefills_in_small_chunks() {
     let tokens: Vec<_> = out.items.iter().map(|i| (i.seq_id, i.num_tokens)).collect();
     // The interactive prompt takes the budget it needs; the background one at most 16.
     assert_eq!(tokens, [(2, 40), (1, 16)]);
+}
+
+/// A burst's followers wait for the shared prefix the first request is computing (SGLang's
+/// in-batch prefix check), so it is prefilled once, and a request behind them that shares
+/// nothing is not held up.
+#[test]
+fn a_prompt_waits_for_the_prefix_another_is_computing_and_holds_nobody_up() {
+    // Budget 64 tokens a step, blocks of 4: a 200-token shared prefix takes four steps.
+    let shared: Vec<u32> = (0..200).collect();
+    let with_tail =
+        |tail: u32| -> Vec<u32> { shared.iter().copied().chain(tail..tail + 8).collect() };
+    let mut s = Scheduler::new(cfg(1024));
+    s.add(req(1, with_tail(1000), 2)).unwrap();
+    let (first, _) = step(&mut s);
+    assert_eq!(first.num_tokens(), 64);
+    // Two followers of the same prefix and an unrelated prompt arrive mid-prefill.
+    s.add(req(2, with_tail(2000), 2)).unwrap();
+    s.add(req(3, with_tail(3000), 2)).unwrap();
+    s.add(req(4, (5000..5048).collect(), 2)).unwrap();
+    let mut computed: HashMap<SeqId, usize> = HashMap::new();
+    let mut first_cached: HashMap<SeqId, usize> = HashMap::new();
+    let (mut unrelated_at, mut leader_done_at) = (None, None);
+    for n in 0.. {
+        if !s.has_work() {
+            break;
+        }
+        let (out, res) = step(&mut s);
+        for it in &out.items {
+            *computed.entry(it.seq_id).or_default() += it.num_tokens;
+        }
+        first_cached.extend(out.first_scheduled.iter().copied());
+        if out.items.iter().any(|i| i.seq_id == 4) {
+            unrelated_at.get_or_insert(n);
+        }
+        if res.iter().any(|r| r.seq_id == 1) {
+            leader_done_at.get_or_insert(n);
+        }
+    }
+    // The budget the leader's last chunk leaves goes to the unrelated prompt behind the
+    // waiting followers: they do not block the queue.
+    assert!(
+        unrelated_at <= leader_done_at,
+        "{unrelated_at:?} {leader_done_at:?}"
+    );
+    // Each follower found the whole shared prefix cached and computed only its own tail.
+    for id in [2, 3] {
+        assert_eq!(first_cached[&id], 200, "follower {id}");
+        assert_eq!(
+            computed[&id],
+            8 + 2 - 1,
+            "follower {id} computed the prefix again"
+        );
+    }
+    assert_eq!(s.prefix_waits(), 2);
+
+    // Off (as vLLM), the follower is admitted as soon as the budget allows, beside the
+    // leader's last chunk, and computes again the shared blocks not done yet.
+    let mut c = cfg(1024);
+    c.wait_for_prefix_in_flight = false;
+    let mut s = Scheduler::new(c);
+    s.add(req(1, with_tail(1000), 2)).unwrap();
+    step(&mut s);
+    s.add(req(2, with_tail(2000), 2)).unwrap();
+    let mut cached = None;
+    while s.has_work() {
+        let (out, _) = step(&mut s);
+        cached = cached.or(out.first_scheduled.iter().find(|f| f.0 == 2).map(|f| f.1));
+    }
+    assert!(cached.is_some_and(|c| c < 200), "{cached:?}");
+    assert_eq!(s.prefix_waits(), 0);
 }
