@@ -100,9 +100,8 @@ struct Sequence {
     committed: usize,
     cached_tokens: Option<usize>,
     scheduled: usize,
-    /// Set (to the blocks it had cached) the first time it waited for a prefix another
-    /// sequence was computing.
-    waits_for_prefix: Option<usize>,
+    /// It has waited for a prefix another sequence was computing (counted once).
+    waited_for_prefix: bool,
 }
 
 impl Sequence {
@@ -288,7 +287,7 @@ impl Scheduler {
             committed: 0,
             cached_tokens: None,
             scheduled: 0,
-            waits_for_prefix: None,
+            waited_for_prefix: false,
         };
         self.waiting.insert(seq.key(), seq);
         Ok(())
@@ -383,8 +382,8 @@ impl Scheduler {
             let hit = pool.lookup_prefix(&s.hashes[..max_hit]);
             if hit.len() < max_hit && in_progress.contains(&s.hashes[hit.len()]) {
                 drop(pool);
-                if s.waits_for_prefix.is_none() {
-                    s.waits_for_prefix = Some(hit.len());
+                if !s.waited_for_prefix {
+                    s.waited_for_prefix = true;
                     self.prefix_waits += 1;
                 }
                 continue;
