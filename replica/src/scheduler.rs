@@ -326,10 +326,16 @@ impl Scheduler {
         self.waiting.insert(seq.key(), seq);
     }
 
+    /// Whether a prompt waits for a prefix another is computing (prefix caching shares blocks;
+    /// `wait_for_prefix_in_flight` asks for the wait).
+    fn waits_for_prefixes(&self) -> bool {
+        self.cfg.enable_prefix_caching && self.cfg.wait_for_prefix_in_flight
+    }
+
     /// The hashes of the prompt blocks running sequences have still to compute: a waiting
     /// prompt that shares one waits for it (only with prefix caching, which shares them).
     fn blocks_in_progress(&self) -> HashSet<u64> {
-        if !self.cfg.enable_prefix_caching || !self.cfg.wait_for_prefix_in_flight {
+        if !self.waits_for_prefixes() {
             return HashSet::new();
         }
         self.running
@@ -427,7 +433,9 @@ impl Scheduler {
                 sampling: s.req.sampling.clone(),
             });
             let seq = self.waiting.remove(&key).expect("keys taken above");
-            in_progress.extend(seq.uncomputed_prompt_blocks(bs));
+            if self.waits_for_prefixes() {
+                in_progress.extend(seq.uncomputed_prompt_blocks(bs));
+            }
             self.running.push(seq);
         }
         if waiting_best.is_some() {

@@ -390,4 +390,14 @@ fn a_prompt_waits_for_the_prefix_another_is_computing_and_holds_nobody_up() {
     }
     assert!(cached.is_some_and(|c| c < 200), "{cached:?}");
     assert_eq!(s.prefix_waits(), 0);
+    // Nor does a prompt admitted in the same step as the first wait for it.
+    let mut c = cfg(1024);
+    c.wait_for_prefix_in_flight = false;
+    c.max_num_batched_tokens = 1024;
+    let mut s = Scheduler::new(c);
+    s.add(req(1, with_tail(1000), 2)).unwrap();
+    s.add(req(2, with_tail(2000), 2)).unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.items.len(), 2, "{:?}", out.items);
+    assert_eq!(s.prefix_waits(), 0);
 }
