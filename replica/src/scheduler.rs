@@ -333,9 +333,10 @@ impl Scheduler {
     }
 
     /// The hashes of the prompt blocks running sequences have still to compute: a waiting
-    /// prompt that shares one waits for it (only with prefix caching, which shares them).
+    /// prompt that shares one waits for it (only with prefix caching, which shares them; not
+    /// gathered in a step with nobody waiting).
     fn blocks_in_progress(&self) -> HashSet<u64> {
-        if !self.waits_for_prefixes() {
+        if !self.waits_for_prefixes() || self.waiting.is_empty() {
             return HashSet::new();
         }
         self.running
