@@ -74,6 +74,10 @@ done = wait(a, batch.id, ("completed", "failed", "expired", "cancelled"))
 assert done.status == "completed", done
 assert done.request_counts.total == 6 and done.request_counts.completed == 6, done
 assert done.metadata == {"job": "tickets"}, done
+# The batch names its model and sums its answers' tokens, as OpenAI's batch object does.
+assert done.model, done
+assert done.usage is not None and done.usage.output_tokens > 0, done
+assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens, done
 out = lines_of(a, done.output_file_id)
 ids = sorted(l["custom_id"] for l in out)
 assert ids == sorted(f"req-{i}" for i in range(6)), ids

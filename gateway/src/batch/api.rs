@@ -348,6 +348,11 @@ async fn create(
     }
     // Again: the models served may have changed since the upload.
     served(&lines, &state.models.load())?;
+    // OpenAI's batch names its one model; lines that name several leave it null.
+    let model = lines
+        .first()
+        .map(|l| l.model.clone())
+        .filter(|m| lines.iter().all(|l| &l.model == m));
     let now = now_s();
     let row = BatchRow {
         id: objects::new_id("batch_"),
@@ -371,6 +376,8 @@ async fn create(
         completed: 0,
         failed: 0,
         metadata: req.metadata.map(|m| Value::Object(m).to_string()),
+        model,
+        usage: Default::default(),
     };
     let stored: Vec<_> = lines.into_iter().map(|l| l.stored).collect();
     let (r, max_jobs) = (row.clone(), b.cfg.max_jobs_per_tenant);

@@ -133,6 +133,31 @@ pub struct BatchRow {
     pub failed: i64,
     /// The client's metadata, as JSON text.
     pub metadata: Option<String>,
+    /// The model every line names (`None` when the lines name several).
+    pub model: Option<String>,
+    /// The tokens of the lines answered so far.
+    pub usage: Usage,
+}
+
+/// Tokens a batch's answered lines used, summed as each line's result is kept (OpenAI's
+/// `usage` on the batch object), from each answer's own `usage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input_tokens: i64,
+    pub cached_tokens: i64,
+    pub output_tokens: i64,
+}
+
+impl Usage {
+    pub fn to_json(self) -> Value {
+        json!({
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        })
+    }
 }
 
 impl BatchRow {
@@ -146,6 +171,7 @@ impl BatchRow {
             "id": self.id,
             "object": "batch",
             "endpoint": self.endpoint,
+            "model": self.model,
             "errors": null,
             "input_file_id": self.input_file_id,
             "completion_window": self.completion_window,
@@ -166,6 +192,7 @@ impl BatchRow {
                 "completed": self.completed,
                 "failed": self.failed,
             },
+            "usage": self.usage.to_json(),
             "metadata": metadata,
         })
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use crate::batch::objects::{BatchRow, FileRow, Status};
+use crate::batch::objects::{BatchRow, FileRow, Status, Usage};
 
 mod ending;
 mod lease;
@@ -48,7 +48,9 @@ CREATE TABLE IF NOT EXISTS batches(
   finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
   cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
   total INTEGER NOT NULL, completed INTEGER NOT NULL DEFAULT 0,
-  failed INTEGER NOT NULL DEFAULT 0, metadata TEXT, owner TEXT, lease_until INTEGER);
+  failed INTEGER NOT NULL DEFAULT 0, metadata TEXT, owner TEXT, lease_until INTEGER,
+  model TEXT, input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+  output_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches(tenant, created_at);
 CREATE TABLE IF NOT EXISTS lines(
   batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body BLOB NOT NULL,
@@ -56,12 +58,24 @@ CREATE TABLE IF NOT EXISTS lines(
 CREATE TABLE IF NOT EXISTS results(
   batch_id TEXT NOT NULL, idx INTEGER NOT NULL, ok INTEGER NOT NULL, line TEXT NOT NULL,
   PRIMARY KEY(batch_id, idx)) WITHOUT ROWID;
-PRAGMA user_version = 1;
 ";
+
+/// Columns added after the first version, for a database an older gateway created:
+/// `(name, definition)`.
+const ADDED_BATCH_COLUMNS: [(&str, &str); 4] = [
+    ("model", "TEXT"),
+    ("input_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("cached_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("output_tokens", "INTEGER NOT NULL DEFAULT 0"),
+];
+
+/// The schema's version, kept in `PRAGMA user_version`.
+const SCHEMA_VERSION: i64 = 2;
 
 pub(super) const BATCH_COLUMNS: &str = "id, tenant, endpoint, input_file_id, completion_window, status, \
      created_at, in_progress_at, expires_at, finalizing_at, completed_at, failed_at, expired_at, \
-     cancelling_at, cancelled_at, output_file_id, error_file_id, total, completed, failed, metadata";
+     cancelling_at, cancelled_at, output_file_id, error_file_id, total, completed, failed, metadata, \
+     model, input_tokens, cached_tokens, output_tokens";
 
 /// The statuses of a batch still to run or to finish, as an SQL list.
 pub(super) const UNFINISHED: &str = "('validating', 'in_progress', 'finalizing', 'cancelling')";
@@ -92,6 +106,12 @@ pub(super) fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
         completed: r.get(18)?,
         failed: r.get(19)?,
         metadata: r.get(20)?,
+        model: r.get(21)?,
+        usage: Usage {
+            input_tokens: r.get(22)?,
+            cached_tokens: r.get(23)?,
+            output_tokens: r.get(24)?,
+        },
     })
 }
 
@@ -139,7 +159,7 @@ impl Store {
             path: path.display().to_string(),
             source,
         };
-        let conn = Connection::open(path).map_err(open)?;
+        let mut conn = Connection::open(path).map_err(open)?;
         // WAL: readers never wait for the writer; NORMAL: a commit survives the process being
         // killed (not a power cut between checkpoints, which FULL would cost an fsync per
         // result for).
@@ -150,6 +170,7 @@ impl Store {
         conn.pragma_update(None, "journal_size_limit", 64i64 << 20)?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        migrate(&mut conn)?;
         Ok(Arc::new(Store {
             conn: Mutex::new(conn),
         }))
@@ -261,8 +282,8 @@ impl Store {
         }
         tx.execute(
             "INSERT INTO batches(id, tenant, endpoint, input_file_id, completion_window, status,
-               created_at, in_progress_at, expires_at, total, metadata)
-             VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)",
+               created_at, in_progress_at, expires_at, total, metadata, model)
+             VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)",
             params![
                 b.id,
                 b.tenant,
@@ -274,7 +295,8 @@ impl Store {
                 b.in_progress_at,
                 b.expires_at,
                 b.total,
-                b.metadata
+                b.metadata,
+                b.model
             ],
         )?;
         {
@@ -349,7 +371,8 @@ impl Store {
             .optional()?)
     }
 
-    /// Keeps a line's result unless it has one already; `true` when this call wrote it.
+    /// Keeps a line's result unless it has one already; `true` when this call wrote it. The
+    /// batch's counts and token sums (from the answer's `usage` in `line`) move only then.
     pub fn record(&self, batch: &str, idx: i64, ok: bool, line: &str) -> Result<bool, StoreError> {
         let mut c = self.conn.lock();
         let tx = c.transaction()?;
@@ -366,8 +389,14 @@ impl Store {
         if new {
             let column = if ok { "completed" } else { "failed" };
             tx.execute(
-                &format!("UPDATE batches SET {column} = {column} + 1 WHERE id = ?1"),
-                params![batch],
+                &format!(
+                    "UPDATE batches SET {column} = {column} + 1,
+                       input_tokens = input_tokens + coalesce(json_extract(?2, '$.response.body.usage.prompt_tokens'), 0),
+                       cached_tokens = cached_tokens + coalesce(json_extract(?2, '$.response.body.usage.prompt_tokens_details.cached_tokens'), 0),
+                       output_tokens = output_tokens + coalesce(json_extract(?2, '$.response.body.usage.completion_tokens'), 0)
+                     WHERE id = ?1"
+                ),
+                params![batch, line],
             )?;
         }
         tx.commit()?;
@@ -383,6 +412,30 @@ impl Store {
         )?;
         self.batch(tenant, id)
     }
+}
+
+/// Brings a database an older gateway created up to [`SCHEMA_VERSION`]: the batch columns
+/// added since (a fresh database has them from `SCHEMA`).
+/// One transaction, so two gateways opening the file at once do not both add a column.
+fn migrate(c: &mut Connection) -> Result<(), StoreError> {
+    let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if version >= SCHEMA_VERSION {
+        return Ok(());
+    }
+    for (name, definition) in ADDED_BATCH_COLUMNS {
+        let present: bool = tx.query_row(
+            "SELECT count(*) > 0 FROM pragma_table_info('batches') WHERE name = ?1",
+            params![name],
+            |r| r.get(0),
+        )?;
+        if !present {
+            tx.execute_batch(&format!("ALTER TABLE batches ADD COLUMN {name} {definition}"))?;
+        }
+    }
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+    tx.commit()?;
+    Ok(())
 }
 
 /// Pages in use × page size.

@@ -30,6 +30,8 @@ fn new_row(lines: usize) -> BatchRow {
         completed: 0,
         failed: 0,
         metadata: None,
+        model: Some("m".into()),
+        usage: Default::default(),
     }
 }
 
@@ -213,5 +215,84 @@ fn the_limits_are_checked_in_the_write_that_they_guard() {
         s.insert_file(&file("file-b"), &mib, limit).unwrap(),
         "freed pages count"
     );
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn the_batch_sums_each_kept_answers_usage_once_and_names_its_model() {
+    let (s, path) = store();
+    let b = batch(&s, 3);
+    let answer = |c: &str, prompt: u64, cached: u64, out: u64| {
+        crate::batch::objects::answered_line(
+            c,
+            200,
+            None,
+            serde_json::json!({"usage": {"prompt_tokens": prompt, "completion_tokens": out,
+                "prompt_tokens_details": {"cached_tokens": cached}}}),
+        )
+        .to_string()
+    };
+    assert!(s.record(&b.id, 0, true, &answer("c0", 100, 64, 10)).unwrap());
+    // Run again (a takeover's repeat): not summed twice.
+    assert!(!s.record(&b.id, 0, true, &answer("c0", 100, 64, 10)).unwrap());
+    // An answer without `prompt_tokens_details` (a /v1/completions replica that reports none).
+    let plain = crate::batch::objects::answered_line(
+        "c1",
+        200,
+        None,
+        serde_json::json!({"usage": {"prompt_tokens": 50, "completion_tokens": 5}}),
+    );
+    assert!(s.record(&b.id, 1, true, &plain.to_string()).unwrap());
+    // A line that got no answer carries no usage.
+    let error = crate::batch::objects::error_line("c2", "internal_error", "x").to_string();
+    assert!(s.record(&b.id, 2, false, &error).unwrap());
+    let row = s.batch("t", &b.id).unwrap().unwrap();
+    assert_eq!(
+        row.usage,
+        Usage {
+            input_tokens: 150,
+            cached_tokens: 64,
+            output_tokens: 15
+        }
+    );
+    assert_eq!(row.model.as_deref(), Some("m"));
+    let v = row.to_json();
+    assert_eq!(v["model"], "m");
+    assert_eq!(v["usage"]["total_tokens"], 165);
+    assert_eq!(v["usage"]["input_tokens_details"]["cached_tokens"], 64);
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn a_database_from_before_usage_is_brought_up_to_date_with_its_batches_kept() {
+    let path = std::env::temp_dir().join(format!("{}.sqlite3", new_id("kvgate-store-old-")));
+    {
+        // The first version's batches table, as an older gateway left it.
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch(
+            "CREATE TABLE batches(
+               id TEXT PRIMARY KEY, tenant TEXT NOT NULL, endpoint TEXT NOT NULL,
+               input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL,
+               created_at INTEGER NOT NULL, in_progress_at INTEGER, expires_at INTEGER NOT NULL,
+               finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+               cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
+               total INTEGER NOT NULL, completed INTEGER NOT NULL DEFAULT 0,
+               failed INTEGER NOT NULL DEFAULT 0, metadata TEXT, owner TEXT, lease_until INTEGER);
+             INSERT INTO batches(id, tenant, endpoint, input_file_id, completion_window, status,
+               created_at, expires_at, total, completed)
+             VALUES ('batch_old', 't', '/v1/completions', 'file-x', '1h', 'completed', 1, 2, 4, 4);
+             PRAGMA user_version = 1;",
+        )
+        .unwrap();
+    }
+    let s = Store::open(&path).unwrap();
+    let old = s.batch("t", "batch_old").unwrap().unwrap();
+    assert_eq!((old.total, old.completed), (4, 4));
+    assert_eq!((old.model, old.usage), (None, Usage::default()));
+    // New batches work on it, and opening it again changes nothing.
+    let b = batch(&s, 1);
+    drop(s);
+    let s = Store::open(&path).unwrap();
+    assert!(s.batch("t", &b.id).unwrap().is_some());
     let _ = std::fs::remove_file(path);
 }
