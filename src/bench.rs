@@ -86,6 +86,10 @@ pub struct BenchArgs {
     /// end (TTFT budget plus the inter-token budget per further token).
     #[arg(long, default_value_t = 0.0)]
     pub unstreamed_share: f64,
+    /// Cap every answer at this many tokens (default: the workload's own, 128–256): short
+    /// answers, as classification or extraction clients ask for.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tokens: Option<u32>,
     /// Seeds for a recorded baseline (`--record-baseline`): every rate is run once per seed,
     /// and the seeds' spread is the noise band a later comparison reads changes against.
     #[arg(long, value_delimiter = ',')]
@@ -183,6 +187,7 @@ pub async fn run_bench(a: BenchArgs) -> Result<()> {
         slo: Slo::from_ms(a.slo_ttft_ms, a.slo_itl_ms),
         progress: !a.no_progress,
         unstreamed_share: a.unstreamed_share,
+        max_tokens: a.max_tokens,
     };
     // Single target, single rate, no flush: one run, every sample in --json-out.
     if targets.len() == 1 && rates.len() == 1 && a.out.is_none() {

@@ -41,6 +41,7 @@ fn spec_from_args(a: &BenchArgs) -> Result<BenchSpec> {
         slo_ttft_ms: a.slo_ttft_ms,
         slo_itl_ms: a.slo_itl_ms,
         unstreamed_share: a.unstreamed_share,
+        max_tokens: a.max_tokens,
     })
 }
 
@@ -120,6 +121,7 @@ pub async fn run(a: &BenchArgs) -> Result<()> {
         slo: Slo::from_ms(spec.slo_ttft_ms, spec.slo_itl_ms),
         progress: !a.no_progress,
         unstreamed_share: spec.unstreamed_share,
+        max_tokens: spec.max_tokens,
     };
     let total = spec.rates.len() * spec.seeds.len();
     let mut done = 0;

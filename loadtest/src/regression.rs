@@ -40,6 +40,9 @@ pub struct BenchSpec {
     pub slo_ttft_ms: Option<u64>,
     pub slo_itl_ms: Option<u64>,
     pub unstreamed_share: f64,
+    /// `--max-tokens`, when the baseline was recorded with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
 }
 
 /// One run's figures (one rate, one seed).
@@ -493,6 +496,7 @@ mod tests {
                 slo_ttft_ms: Some(500),
                 slo_itl_ms: None,
                 unstreamed_share: 0.0,
+                max_tokens: None,
             },
             runs: [2.0, 4.0]
                 .iter()

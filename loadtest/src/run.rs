@@ -124,6 +124,8 @@ pub struct RunSpec {
     pub progress: bool,
     /// This share of the requests is sent unstreamed (0: every request streams).
     pub unstreamed_share: f64,
+    /// Every answer capped at this many tokens (`None`: the workload's own lengths).
+    pub max_tokens: Option<u32>,
 }
 
 /// The report of one run.
@@ -196,9 +198,14 @@ fn spawn_progress(
 }
 
 pub async fn run(spec: &RunSpec) -> Report {
-    let (schedule, items) =
+    let (schedule, mut items) =
         spec.workload
             .plan(spec.rate, spec.duration, spec.max_requests, spec.seed);
+    if let Some(cap) = spec.max_tokens {
+        for item in &mut items {
+            item.max_tokens = item.max_tokens.min(cap);
+        }
+    }
     let client = reqwest::Client::new();
     let start = Instant::now();
     let spec_arc = Arc::new(spec.clone());
@@ -434,6 +441,7 @@ mod tests {
             slo: Slo::from_ms(Some(1000), None),
             progress: false,
             unstreamed_share: 0.0,
+            max_tokens: None,
         };
         let mut warm = sample(0.1, &[0.01], 200);
         warm.scheduled_s = 1.0;

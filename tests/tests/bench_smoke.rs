@@ -31,6 +31,7 @@ async fn a_short_chat_run_produces_a_well_formed_report() {
         progress: false,
         // A share of SDK-style unstreamed calls: answered whole, judged on end to end.
         unstreamed_share: 0.3,
+        max_tokens: None,
     };
     let report = run(&spec).await;
     assert!(report.sent > 10, "{}", report.sent);
