@@ -8,7 +8,8 @@
 #   route:  the same day, and the same lines sent as plain requests on the `batch` priority
 #           route by a client holding --concurrency of them in flight (today's way).
 # Per run: the interactive TTFT p95/p99 and goodput (kvgate bench, promise 2 s / 150 ms), the
-# fleet's busy share over the day (the replicas' own busy_seconds), the batch's finish time and
+# fleet's busy share over the day (the replicas' own busy_seconds: a duty cycle) and its model
+# FLOPs utilisation (their model_flops over their peak_flops), the batch's finish time and
 # lines refused. Writes DIR/seed-S-MODE.{json,busy,batch} and DIR/summary.md.
 #   loadtest/batch_trough.sh --out DIR [--seeds 4,5,6] [--day 360] [--peak 8] [--low 0.125]
 #                            [--lines 20000] [--window 1h] [--modes alone,api,route]
@@ -130,12 +131,12 @@ EOF
   wait_for "gateway $tag" 60 curl -sf --max-time 2 -o /dev/null "http://127.0.0.1:$port/ready"
 }
 
-busy_total() { # -> "wall_s busy_s_sum" over the replicas
-  local a sum=0 b
+busy_total() { # -> "wall_s busy_s_sum model_flops_sum peak_flops_sum" over the replicas
+  local a sum="0 0 0" b
   for a in "${addrs[@]}"; do
     b=$(curl -sf -H "Authorization: Bearer $KVGATE_FLEET_TOKEN" "http://$a/get_load" |
-      python3 -c 'import json,sys; v=json.load(sys.stdin); v=v[0] if isinstance(v, list) else v; print(v.get("busy_seconds", 0))')
-    sum=$(python3 -c "print($sum + $b)")
+      python3 -c 'import json,sys; v=json.load(sys.stdin); v=v[0] if isinstance(v, list) else v; print(v.get("busy_seconds", 0), v.get("model_flops") or 0, v.get("peak_flops") or 0)')
+    sum=$(python3 -c "a='$sum'.split(); b='$b'.split(); print(' '.join(repr(float(x) + float(y)) for x, y in zip(a, b)))")
   done
   echo "$(date +%s.%N) $sum"
 }
@@ -283,13 +284,19 @@ def load(seed, mode):
     if not os.path.exists(p + ".json"):
         return None
     rep = json.load(open(p + ".json"))
-    f = open(p + ".busy").read().split()
-    wall = float(f[2]) - float(f[0])
-    busy = (float(f[3]) - float(f[1])) / (wall * int(f[4]))
+    f = [float(x) for x in open(p + ".busy").read().split()]
+    mfu = None
+    if len(f) == 9:  # t0 busy0 flops0 peak0 t1 busy1 flops1 peak1 replicas
+        wall = f[4] - f[0]
+        busy = (f[5] - f[1]) / (wall * f[8])
+        mfu = (f[6] - f[2]) / (wall * f[7]) if f[7] > 0 else None
+    else:  # t0 busy0 t1 busy1 replicas (before model FLOPs were read)
+        wall = f[2] - f[0]
+        busy = (f[3] - f[1]) / (wall * f[4])
     ttft = find(rep, "ttft_s")
     return {
         "p95": ttft["p95"], "p99": ttft["p99"],
-        "goodput": find(rep, "goodput_requests_per_s"), "busy": busy,
+        "goodput": find(rep, "goodput_requests_per_s"), "busy": busy, "mfu": mfu,
         "batch": json.load(open(p + ".batch")),
     }
 
@@ -302,13 +309,13 @@ def cell(vals, fmt="{:.2f}"):
 
 
 runs = {m: [load(s, m) for s in seeds] for m in ("alone", "api", "route")}
-print("| run | busy share | × alone | TTFT p95 s | × alone | TTFT p99 s | × alone | goodput req/s | × alone | batch |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print("| run | busy share | × alone | MFU | × alone | TTFT p95 s | × alone | TTFT p99 s | × alone | goodput req/s | × alone | batch |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 for m in ("alone", "api", "route"):
     rs = runs[m]
     if not any(rs):
         continue
-    ratio = lambda k: [r[k] / a[k] if r and a and a[k] else None for r, a in zip(rs, runs["alone"])]
+    ratio = lambda k: [r[k] / a[k] if r and a and r[k] is not None and a[k] else None for r, a in zip(rs, runs["alone"])]
     val = lambda k: [r[k] if r else None for r in rs]
     batch = []
     for r in rs:
@@ -319,7 +326,7 @@ for m in ("alone", "api", "route"):
             batch.append(f"{b['status']} {b['completed']}/{b['total']} in {b['seconds']:.0f} s (window {b['window_s']} s)")
         else:
             batch.append(f"{b['status']} in {b['seconds']:.0f} s")
-    print(f"| {m} | {cell(val('busy'))} | {cell(ratio('busy'))} | {cell(val('p95'))} | {cell(ratio('p95'))} "
+    print(f"| {m} | {cell(val('busy'))} | {cell(ratio('busy'))} | {cell(val('mfu'), '{:.4f}')} | {cell(ratio('mfu'))} | {cell(val('p95'))} | {cell(ratio('p95'))} "
           f"| {cell(val('p99'))} | {cell(ratio('p99'))} | {cell(val('goodput'))} | {cell(ratio('goodput'), '{:.3f}')} "
           f"| {'; '.join(batch) or '–'} |")
 PY

@@ -44,6 +44,8 @@ pub struct ReplicaMetrics {
     pub prompt_id_checks: [Counter; 2],
     /// Share of the last minute with work in its batch.
     pub busy_share: Gauge,
+    /// Model FLOPs utilisation over the last minute (replicas that report their FLOPs).
+    pub mfu: Gauge,
 }
 
 /// Buckets of observed ÷ predicted TTFT: 1 is a perfect prediction.
@@ -217,6 +219,7 @@ impl GatewayMetrics {
                 &Key::from_parts("kvgate_gateway_replica_busy_share", l()),
                 &META,
             ),
+            mfu: r.register_gauge(&Key::from_parts("kvgate_gateway_replica_mfu", l()), &META),
             prompt_id_checks: results("kvgate_gateway_prompt_token_id_checks_total"),
         }
     }

@@ -78,4 +78,10 @@ pub trait EngineBackend: Send + 'static {
         false
     }
     fn execute(&mut self, items: &[ScheduledItem]) -> StepResult;
+    /// The replica's peak model FLOP/s on the wall clock, where the backend knows it: the
+    /// denominator of model FLOPs utilisation (the sim: its GPU's bf16 peak × tensor
+    /// parallel ÷ time scale). `None` where it does not (cpu, cuda).
+    fn peak_flops(&self) -> Option<f64> {
+        None
+    }
 }

@@ -57,11 +57,21 @@ pub struct EngineStats {
     /// Microseconds spent in steps since start: time with work in the batch (on `/get_load`
     /// as `busy_seconds`, the gateway's utilisation gauge).
     pub busy_us: AtomicU64,
+    /// Model FLOPs of the steps run since start, in millions, where the backend models a
+    /// step's cost (the sim); with [`EngineStats::peak_flops`], model FLOPs utilisation: the
+    /// runbook's measure of useful work, where `busy_us` is a duty cycle.
+    pub model_mflop: AtomicU64,
+    peak_flops_bits: AtomicU64,
 }
 
 impl EngineStats {
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed))
+    }
+
+    /// The backend's peak model FLOP/s on the wall clock; `None` where it does not know it.
+    pub fn peak_flops(&self) -> Option<f64> {
+        Some(f64::from_bits(self.peak_flops_bits.load(Ordering::Relaxed))).filter(|p| *p > 0.0)
     }
 }
 
@@ -240,6 +250,9 @@ impl Engine {
     ) -> (Engine, EngineHandle) {
         let (tx, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(EngineStats::default());
+        if let Some(p) = backend.peak_flops() {
+            stats.peak_flops_bits.store(p.to_bits(), Ordering::Relaxed);
+        }
         let c = scheduler.config();
         let limits = EngineLimits {
             max_model_len: c.max_model_len,
@@ -422,6 +435,11 @@ impl Engine {
         self.stats
             .busy_us
             .fetch_add((now - start).as_micros() as u64, Ordering::Relaxed);
+        if let Some(c) = &result.cost {
+            self.stats
+                .model_mflop
+                .fetch_add((c.flops / 1e6).round() as u64, Ordering::Relaxed);
+        }
         self.hub.publish(events);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
 

@@ -237,6 +237,8 @@ pub fn get_load(state: &AppState) -> Response<Body> {
             "preemptions": s.preemptions.load(Relaxed),
             "generation_tokens": s.generated.load(Relaxed),
             "busy_seconds": s.busy_us.load(Relaxed) as f64 / 1e6,
+            "model_flops": s.model_mflop.load(Relaxed) as f64 * 1e6,
+            "peak_flops": s.peak_flops(),
         }]),
     )
 }

@@ -102,6 +102,11 @@ impl EngineBackend for SimBackend {
             logprobs: Vec::new(),
         }
     }
+
+    fn peak_flops(&self) -> Option<f64> {
+        let r = &self.roofline;
+        Some(r.gpu.bf16_flops * r.model.tensor_parallel.max(1) as f64 / self.time_scale.max(1e-9))
+    }
 }
 
 #[cfg(test)]

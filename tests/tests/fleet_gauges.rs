@@ -1,5 +1,6 @@
-//! The autoscaling signal, the cost gauge and the utilisation gauges, end to end: a real
-//! gateway in front of a real sim replica, priced in `[cost]`.
+//! The autoscaling signal, the cost gauge and the utilisation gauges (busy share and model
+//! FLOPs utilisation), end to end: a real gateway in front of a real sim replica, priced in
+//! `[cost]`.
 
 mod common;
 
@@ -89,4 +90,11 @@ async fn cost_per_mtok_is_priced_on_the_replicas_measured_throughput() {
     let fleet = labelled(&route, "kvgate_gateway_fleet_busy_share{window=\"1m\"}").unwrap();
     assert!(busy > 0.1 && busy <= 1.0, "busy share {busy}");
     assert!((fleet - busy).abs() < 0.2, "fleet {fleet}, replica {busy}");
+    // Busy is a duty cycle: one stream decoding at a time keeps the replica busy while its
+    // steps use a sliver of the GPU's arithmetic. Model FLOPs utilisation (the sim's modelled
+    // FLOPs per second over its peak) says so, for the replica and the fleet alike.
+    let mfu = labelled(&route, "kvgate_gateway_replica_mfu{").unwrap();
+    let fleet_mfu = labelled(&route, "kvgate_gateway_fleet_mfu{window=\"1m\"}").unwrap();
+    assert!(mfu > 0.0 && mfu < 0.05 && mfu < busy / 10.0, "mfu {mfu}, busy {busy}");
+    assert!((fleet_mfu - mfu).abs() <= 0.1 * mfu, "fleet mfu {fleet_mfu}, replica {mfu}");
 }

@@ -168,6 +168,12 @@ impl Registry {
             None => r.busy_clock.tick(now, total > waiting),
         };
         r.busy.sample(now, busy);
+        // Model FLOPs and the peak they are a share of, where the replica models them (sim).
+        let number = |k: &str| first.get(k).and_then(|x| x.as_f64());
+        if let (Some(f), Some(p)) = (number("model_flops"), number("peak_flops")) {
+            r.flops.sample(now, (f / 1e6) as u64);
+            r.peak_flops_bits.store(p.to_bits(), Ordering::Relaxed);
+        }
         r.finished_at_poll.store(finished_before, Ordering::Relaxed);
     }
 

@@ -113,6 +113,11 @@ pub struct ReplicaHandle {
     pub busy: Throughput,
     /// The busy counter made from polls, for engines that report none (vLLM).
     pub busy_clock: BusyClock,
+    /// Its model-FLOPs counter in millions (kvgate sim replicas' `model_flops`), sampled like
+    /// `throughput`; with `peak_flops`, model FLOPs utilisation.
+    pub flops: Throughput,
+    /// Its peak model FLOP/s as it reports it (`f64` bits; 0: not reported).
+    pub peak_flops_bits: AtomicU64,
 }
 
 impl ReplicaHandle {
@@ -162,6 +167,8 @@ impl ReplicaHandle {
             throughput: Throughput::default(),
             busy: Throughput::default(),
             busy_clock: BusyClock::default(),
+            flops: Throughput::default(),
+            peak_flops_bits: AtomicU64::new(0),
         }
     }
 

@@ -54,6 +54,14 @@ const COUNTERS: &[(&str, &str)] = &[
         "Share of the last minute the replica had work in its batch (kvgate replicas: their step time; vLLM and SGLang: polls that found requests running)",
     ),
     (
+        "kvgate_gateway_replica_mfu",
+        "Model FLOPs utilisation of the replica over the last minute: the model FLOPs its steps did per second over its peak (replicas that report both: kvgate's sim)",
+    ),
+    (
+        "kvgate_gateway_fleet_mfu",
+        "Model FLOPs utilisation of the healthy replicas that report it, over the window (1m, 10m): their FLOPs per second over their summed peak. The runbook's measure of useful work; busy share is a duty cycle",
+    ),
+    (
         "kvgate_gateway_fleet_busy_share",
         "Mean busy share of the healthy replicas over the window (1m, 10m): the runbook's average utilisation, the largest lever on cost per token",
     ),

@@ -21,8 +21,13 @@
 //! - **Utilisation** (`kvgate_gateway_replica_busy_share` per replica over the last minute,
 //!   `kvgate_gateway_fleet_busy_share{window="1m"|"10m"}` the healthy replicas' mean): the share
 //!   of time with work in the batch, from each replica's busy-time counter
-//!   (`fleet/throughput.rs`).
+//!   (`fleet/throughput.rs`). That is a duty cycle: a replica stepping one stream is as busy
+//!   as one stepping sixty. **Model FLOPs utilisation** (`kvgate_gateway_replica_mfu`,
+//!   `kvgate_gateway_fleet_mfu{window}`: the model FLOPs the replicas' steps did per second
+//!   over their summed peak, for replicas that report both — kvgate's sim) measures the work
+//!   done, the runbook's measure.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use config::cost::CostConfig;
@@ -248,6 +253,20 @@ fn busy_shares(fleet: &Registry, metrics: &GatewayMetrics) {
         metrics
             .gauge_with("kvgate_gateway_fleet_busy_share", &[("window", label)])
             .set(mean(&shares).unwrap_or(f64::NAN));
+        let (mut done, mut peak) = (0.0, 0.0);
+        for r in fleet.replicas().iter().filter(|r| r.is_healthy()) {
+            let p = f64::from_bits(r.peak_flops_bits.load(Ordering::Relaxed));
+            let Some(mflop_per_s) = r.flops.tokens_per_s(now, window).filter(|_| p > 0.0) else {
+                continue;
+            };
+            if label == "1m" {
+                r.metrics().mfu.set(mflop_per_s * 1e6 / p);
+            }
+            (done, peak) = (done + mflop_per_s * 1e6, peak + p);
+        }
+        metrics
+            .gauge_with("kvgate_gateway_fleet_mfu", &[("window", label)])
+            .set(if peak > 0.0 { done / peak } else { f64::NAN });
     }
 }
 
