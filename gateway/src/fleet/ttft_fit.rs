@@ -13,17 +13,6 @@
 //! one (the replica's speed drifts with its load), and a ridge towards the prior (its overhead
 //! and rate, no attention cost) keeps the plane anchored where the data does not vary and the
 //! attention term at zero until observations show it. Pure arithmetic: no I/O, no clock.
-//!
-//! **Relative error, not seconds², is what the fit minimises** (each observation weighted by
-//! 1 / TTFT²): the prediction is judged, and placement compares replicas, per request, and a
-//! 100 ms prompt's 50 ms error matters as much as a 1 s prompt's 500 ms. Squared seconds let
-//! the few long prefills set the line and left the many short, mostly cached turns off by
-//! 30–90% (in front of two CPU vLLM engines, prediction p90 33% against 21–25% relative;
-//! BENCHMARKS, issue 29). **One measurement moves the fit at most [`TtftFit::CLIP`]× from its
-//! prediction** once it has [`TtftFit::CLIP_AFTER`] observations: a single first token 4× late
-//! (a stall on the host, not the replica's speed) otherwise bent the plane for the next
-//! dozen predictions; a replica that really slows down still gets there, by a factor of
-//! `CLIP` per request.
 
 use policies::ATTENTION_UNIT;
 
@@ -94,42 +83,18 @@ impl TtftFit {
     /// prompts of a few hundred tokens into a 0.35 s overhead (measured 0.1 s).
     const GENERIC_PRIOR_WEIGHT: f64 = 0.002;
 
-    /// An observation's measured TTFT counts between this share and this multiple of the
-    /// fit's prediction for it ([module docs](self)).
-    const CLIP: f64 = 2.0;
-    /// Observations before the clip applies: until then the prior may be far off (the
-    /// generic 8k tokens/s was 6× off a CPU vLLM) and the data must be free to move it.
-    const CLIP_AFTER: u64 = 5;
-    /// TTFTs under this count as this in the weight (a stray near-zero measurement must not
-    /// take the whole fit).
-    const MIN_WEIGHT_TTFT_S: f64 = 0.005;
-
     /// One request: `work` tokens of prefill to its first token (queued ahead plus its own
     /// uncached), its own `attention` ([`attention`]), first token after `ttft_s`.
     pub fn observe(&mut self, work: f64, attention: f64, ttft_s: f64) {
-        let mut y = ttft_s;
-        if self.observed >= Self::CLIP_AFTER {
-            let k = self.coefficients();
-            let p = k.overhead_s + k.seconds_per_token * work + k.seconds_per_attention * attention;
-            if p > 0.0 {
-                y = y.clamp(p / Self::CLIP, p * Self::CLIP);
-            }
-        }
-        let w = Self::weight(y);
         let f = Self::FORGET;
         let x = [1.0, work, attention];
         for i in 0..3 {
             for j in 0..3 {
-                self.s[i][j] = self.s[i][j] * f + w * x[i] * x[j];
+                self.s[i][j] = self.s[i][j] * f + x[i] * x[j];
             }
-            self.sy[i] = self.sy[i] * f + w * x[i] * y;
+            self.sy[i] = self.sy[i] * f + x[i] * ttft_s;
         }
         self.observed += 1;
-    }
-
-    /// An observation's weight: 1 / TTFT², so the fit minimises relative error.
-    fn weight(ttft_s: f64) -> f64 {
-        ttft_s.max(Self::MIN_WEIGHT_TTFT_S).powi(-2)
     }
 
     /// The replica's own measure of itself: its prefill rate and fixed overhead (either may be
@@ -157,9 +122,7 @@ impl TtftFit {
         // data does not vary (a hundred 50-token prompts still price a 6k one by the prior's
         // rate), little where it does.
         let (mut s, mut sy) = (self.s, self.sy);
-        // In the observations' units: weighted as an observation of the prior's own TTFT at
-        // PRIOR_SPAN tokens would be.
-        let w = self.prior_weight * Self::weight(self.a0 + self.b0 * Self::PRIOR_SPAN);
+        let w = self.prior_weight;
         let span2 = Self::PRIOR_SPAN * Self::PRIOR_SPAN;
         let prior = [self.a0, self.b0, 0.0];
         for (k, lambda) in [w, w * span2, w * span2].into_iter().enumerate() {
@@ -260,29 +223,6 @@ mod tests {
             k.seconds_per_attention * attention(1000, 4000) < 0.01,
             "{k:?}"
         );
-    }
-
-    #[test]
-    fn short_prompts_are_predicted_as_closely_as_long_ones_and_one_stall_does_not_bend_the_fit() {
-        // 50 ms + 1 ms per token, each measurement ±15% (alternating), prompts of 60 to 2,000
-        // tokens: in relative terms the short ones must be as good as the long ones.
-        let truth = |u: f64| 0.05 + 0.001 * u;
-        let mut f = TtftFit::default();
-        for i in 0..60u64 {
-            let u = [60.0, 120.0, 2000.0, 1500.0][i as usize % 4];
-            let noise = if (i / 4) % 2 == 0 { 1.15 } else { 0.85 };
-            f.observe(u, 0.0, truth(u) * noise);
-        }
-        let k = f.coefficients();
-        for u in [60u64, 120, 2000] {
-            let p = k.predict(0, u, 0);
-            assert!(close(p, truth(u as f64), 0.08), "u={u}: {p} vs {}", truth(u as f64));
-        }
-        // One first token 5× late: the next short prediction moves by less than 15%.
-        let before = k.predict(0, 120, 0);
-        f.observe(120.0, 0.0, truth(120.0) * 5.0);
-        let after = f.coefficients().predict(0, 120, 0);
-        assert!(after / before < 1.15, "{before} -> {after}");
     }
 
     #[test]
