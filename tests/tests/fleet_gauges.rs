@@ -95,6 +95,12 @@ async fn cost_per_mtok_is_priced_on_the_replicas_measured_throughput() {
     // FLOPs per second over its peak) says so, for the replica and the fleet alike.
     let mfu = labelled(&route, "kvgate_gateway_replica_mfu{").unwrap();
     let fleet_mfu = labelled(&route, "kvgate_gateway_fleet_mfu{window=\"1m\"}").unwrap();
-    assert!(mfu > 0.0 && mfu < 0.05 && mfu < busy / 10.0, "mfu {mfu}, busy {busy}");
-    assert!((fleet_mfu - mfu).abs() <= 0.1 * mfu, "fleet mfu {fleet_mfu}, replica {mfu}");
+    assert!(
+        mfu > 0.0 && mfu < 0.05 && mfu < busy / 10.0,
+        "mfu {mfu}, busy {busy}"
+    );
+    assert!(
+        (fleet_mfu - mfu).abs() <= 0.1 * mfu,
+        "fleet mfu {fleet_mfu}, replica {mfu}"
+    );
 }

@@ -430,7 +430,9 @@ fn migrate(c: &mut Connection) -> Result<(), StoreError> {
             |r| r.get(0),
         )?;
         if !present {
-            tx.execute_batch(&format!("ALTER TABLE batches ADD COLUMN {name} {definition}"))?;
+            tx.execute_batch(&format!(
+                "ALTER TABLE batches ADD COLUMN {name} {definition}"
+            ))?;
         }
     }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;

@@ -232,9 +232,13 @@ fn the_batch_sums_each_kept_answers_usage_once_and_names_its_model() {
         )
         .to_string()
     };
-    assert!(s.record(&b.id, 0, true, &answer("c0", 100, 64, 10)).unwrap());
+    assert!(s
+        .record(&b.id, 0, true, &answer("c0", 100, 64, 10))
+        .unwrap());
     // Run again (a takeover's repeat): not summed twice.
-    assert!(!s.record(&b.id, 0, true, &answer("c0", 100, 64, 10)).unwrap());
+    assert!(!s
+        .record(&b.id, 0, true, &answer("c0", 100, 64, 10))
+        .unwrap());
     // An answer without `prompt_tokens_details` (a /v1/completions replica that reports none).
     let plain = crate::batch::objects::answered_line(
         "c1",
