@@ -11,7 +11,9 @@
 //! retention_h = 168              # finished batches and their files are deleted after this
 //! headroom = 0.7                 # a replica takes batch lines while its interactive signals
 //!                                # stay under this share of the promise (see DESIGN)
-//! max_in_flight = 0              # batch lines this gateway runs at once; 0: 4 per healthy replica
+//! max_per_replica = 4            # batch lines running on one replica at once
+//! max_in_flight = 0              # batch lines this gateway runs at once; 0: max_per_replica
+//!                                # per healthy replica
 //! lease_s = 30                   # several gateways on one database: a batch is run by one
 //!                                # of them at a time, taken over when its lease runs out
 //! node_id = "gw-1"               # this gateway's name in the leases, unique per gateway
@@ -43,9 +45,11 @@ pub struct BatchConfig {
     /// predicted signals must stay under for it to take a new batch line.
     #[serde(default = "default_headroom")]
     pub headroom: f64,
-    /// Batch lines this gateway runs at once; 0: four per healthy replica (16 put
-    /// the interactive p95 TTFT at 2.5–7× its batch-free value on the bench's L4 fleet, 4 at
-    /// 1.2×: BENCHMARKS).
+    /// Batch lines running on one replica at once (16 put the interactive p95 TTFT at 2.5–7×
+    /// its batch-free value on the bench's L4 fleet, 4 at 1.2×: BENCHMARKS).
+    #[serde(default = "default_per_replica")]
+    pub max_per_replica: usize,
+    /// Batch lines this gateway runs at once; 0: `max_per_replica` per healthy replica.
     #[serde(default)]
     pub max_in_flight: usize,
     /// Seconds a gateway's claim on a batch lasts unless renewed (every third of it).
@@ -67,6 +71,7 @@ impl Default for BatchConfig {
             max_disk_mib: default_disk_mib(),
             retention_h: default_retention_h(),
             headroom: default_headroom(),
+            max_per_replica: default_per_replica(),
             max_in_flight: 0,
             lease_s: default_lease(),
             node_id: None,
@@ -125,6 +130,12 @@ impl BatchConfig {
             "must be between 1 and 3600 seconds",
         );
         v.check(
+            (1..=1024).contains(&self.max_per_replica),
+            "batch.max_per_replica",
+            self.max_per_replica,
+            "must be between 1 and 1024",
+        );
+        v.check(
             self.headroom > 0.0 && self.headroom <= 1.0,
             "batch.headroom",
             self.headroom,
@@ -153,6 +164,9 @@ fn default_lease() -> u64 {
 }
 fn default_headroom() -> f64 {
     0.7
+}
+fn default_per_replica() -> usize {
+    4
 }
 
 #[cfg(test)]

@@ -37,10 +37,12 @@ pub struct LineError(String);
 /// The pipe's buffer each way: large enough for a typical body in one write.
 const PIPE_BYTES: usize = 256 << 10;
 
-/// Runs `body` as a request to `url` for `grant`'s tenant (`None`: the open API's one tenant).
+/// Runs `body` as a request to `url` for `grant`'s tenant (`None`: the open API's one tenant),
+/// on one of the replicas in `scope` now or not at all (a 503 `no_spare_replica`).
 pub async fn run(
     state: Arc<GatewayState>,
     grant: Option<Grant>,
+    scope: Arc<[usize]>,
     url: &str,
     body: Bytes,
 ) -> Result<Answer, LineError> {
@@ -58,8 +60,16 @@ pub async fn run(
         let started = Instant::now();
         let mut rec = AccessRecord::new("POST", &path);
         rec.tenant = grant.as_ref().map(|g| g.tenant.clone());
-        let status =
-            request::generate(&state, &mut session, endpoint, started, grant, &mut rec).await;
+        let status = request::generate(
+            &state,
+            &mut session,
+            endpoint,
+            started,
+            grant,
+            Some(scope),
+            &mut rec,
+        )
+        .await;
         let _ = session.finish_body().await;
         if state.access_log.enabled() {
             rec.status = status;

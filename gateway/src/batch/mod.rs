@@ -96,7 +96,7 @@ impl Batches {
     /// Lines this gateway runs at once for `healthy` replicas.
     pub fn max_in_flight(&self, healthy: usize) -> usize {
         match self.cfg.max_in_flight {
-            0 => 4 * healthy.max(1),
+            0 => self.cfg.max_per_replica * healthy.max(1),
             n => n,
         }
     }

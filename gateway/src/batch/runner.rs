@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use crate::batch::objects::{answered_line, error_line, now_s, BatchRow, Status};
 use crate::batch::store::{Ending, Store, StoreError};
 use crate::batch::{line, trough, Batches};
+use crate::request::place::NO_SPARE_REPLICA;
 use crate::state::GatewayState;
 
 /// Attempts a line gets at a 5xx or a broken pipe before it is a failure.
@@ -74,8 +75,9 @@ impl Job {
 enum Outcome {
     /// Its result is in the database (`ok`: in the output file); `tokens` generated.
     Done { ok: bool, tokens: u64 },
-    /// Back in the queue; `counted`: this was a real attempt (a 5xx or a broken pipe).
-    Retry { counted: bool },
+    /// Back in the queue; `counted`: this was a real attempt (a 5xx or a broken pipe);
+    /// `cool`: its batch waits [`COOLDOWN`] before its next line (the fleet refused it).
+    Retry { counted: bool, cool: bool },
 }
 
 struct Report {
@@ -132,7 +134,13 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
             last_sweep = Some(Instant::now());
             sweep(&b);
         }
-        let look = trough::look(&st.policies.load(), &st.fleet, b.cfg.headroom);
+        let look = trough::look(
+            &st.policies.load(),
+            &st.fleet,
+            b.cfg.headroom,
+            b.cfg.max_per_replica,
+        );
+        let scope: Arc<[usize]> = look.spare.clone().into();
         let running: usize = jobs.iter().map(|j| j.running).sum();
         let mut budget = look
             .spare
@@ -161,11 +169,14 @@ async fn run(state: Weak<GatewayState>, b: Arc<Batches>) {
             tokio::spawn(run_line(
                 st.clone(),
                 b.store.clone(),
-                job.row.id.clone(),
-                job.row.endpoint.clone(),
-                job.grant(),
-                idx,
-                *job.attempts.get(&idx).unwrap_or(&0),
+                Started {
+                    batch: job.row.id.clone(),
+                    endpoint: job.row.endpoint.clone(),
+                    grant: job.grant(),
+                    scope: scope.clone(),
+                    idx,
+                    attempts: *job.attempts.get(&idx).unwrap_or(&0),
+                },
                 tx.clone(),
             ));
         }
@@ -244,14 +255,21 @@ fn apply(jobs: &mut [Job], r: Report, m: &crate::metrics::GatewayMetrics, pace: 
                 job.row.failed += 1;
             }
         }
-        Outcome::Retry { counted } => {
-            m.counter("kvgate_batch_lines_total", &[("outcome", "retried")])
-                .increment(1);
+        Outcome::Retry { counted, cool } => {
+            // A line its spare replicas filled up before it was placed never reached one.
+            if cool {
+                m.counter("kvgate_batch_lines_total", &[("outcome", "retried")])
+                    .increment(1);
+            }
             if counted {
                 *job.attempts.entry(r.idx).or_insert(0) += 1;
             }
-            job.pending.push_back(r.idx);
-            job.cooldown_until = Some(Instant::now() + COOLDOWN);
+            if cool {
+                job.pending.push_back(r.idx);
+                job.cooldown_until = Some(Instant::now() + COOLDOWN);
+            } else {
+                job.pending.push_front(r.idx);
+            }
         }
     }
 }
@@ -385,42 +403,62 @@ fn gauges(jobs: &[Job], m: &crate::metrics::GatewayMetrics, pace: &Pace) {
     m.gauge("kvgate_batch_window_margin_seconds").set(margin);
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_line(
-    state: Arc<GatewayState>,
-    store: Arc<Store>,
+/// A line as the runner starts it.
+struct Started {
     batch: String,
     endpoint: String,
     grant: Option<Grant>,
+    /// The replicas the look found spare: the line goes to one of them now, or back.
+    scope: Arc<[usize]>,
     idx: i64,
     attempts: u32,
+}
+
+async fn run_line(
+    state: Arc<GatewayState>,
+    store: Arc<Store>,
+    line: Started,
     tx: mpsc::UnboundedSender<Report>,
 ) {
-    let outcome = attempt(state, &store, &batch, &endpoint, grant, idx, attempts).await;
+    let outcome = attempt(state, &store, &line).await;
     let _ = tx.send(Report {
-        batch,
-        idx,
+        batch: line.batch,
+        idx: line.idx,
         outcome,
     });
 }
 
-async fn attempt(
-    state: Arc<GatewayState>,
-    store: &Arc<Store>,
-    batch: &str,
-    endpoint: &str,
-    grant: Option<Grant>,
-    idx: i64,
-    attempts: u32,
-) -> Outcome {
+async fn attempt(state: Arc<GatewayState>, store: &Arc<Store>, started: &Started) -> Outcome {
+    let Started {
+        batch,
+        endpoint,
+        grant,
+        scope,
+        idx,
+        attempts,
+    } = started;
+    let (batch, idx, attempts) = (batch.as_str(), *idx, *attempts);
     let id = batch.to_string();
     let line = match store.call(move |s| s.line(&id, idx)).await {
         Ok(Some(l)) => l,
         // Gone (the batch was deleted) or unreadable: tried again, then left to the finish.
-        _ => return Outcome::Retry { counted: true },
+        _ => {
+            return Outcome::Retry {
+                counted: true,
+                cool: true,
+            }
+        }
     };
     let last = attempts + 1 >= MAX_ATTEMPTS;
-    let answer = match line::run(state, grant, endpoint, Bytes::from(line.body)).await {
+    let answer = match line::run(
+        state,
+        grant.clone(),
+        scope.clone(),
+        endpoint,
+        Bytes::from(line.body),
+    )
+    .await
+    {
         Ok(a) => a,
         Err(e) if last => {
             tracing::warn!(batch, idx, error = %e, "batch line failed in the gateway; given up");
@@ -429,12 +467,33 @@ async fn attempt(
         }
         Err(e) => {
             tracing::warn!(batch, idx, error = %e, "batch line failed in the gateway");
-            return Outcome::Retry { counted: true };
+            return Outcome::Retry {
+                counted: true,
+                cool: true,
+            };
         }
     };
     match answer.status {
-        429 | 503 => return Outcome::Retry { counted: false },
-        s if s >= 500 && !last => return Outcome::Retry { counted: true },
+        // The spare replicas it was started for filled up meanwhile: back to the queue for
+        // the next look, the batch not slowed.
+        503 if no_spare_replica(&answer.body) => {
+            return Outcome::Retry {
+                counted: false,
+                cool: false,
+            }
+        }
+        429 | 503 => {
+            return Outcome::Retry {
+                counted: false,
+                cool: true,
+            }
+        }
+        s if s >= 500 && !last => {
+            return Outcome::Retry {
+                counted: true,
+                cool: true,
+            }
+        }
         _ => {}
     }
     let ok = (200..300).contains(&answer.status);
@@ -450,6 +509,13 @@ async fn attempt(
     )
     .to_string();
     record(store, batch, idx, ok, text, tokens).await
+}
+
+/// Whether an error answer is placement's refusal of a scoped line: none of its spare
+/// replicas could take it by the time it was placed.
+fn no_spare_replica(body: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(body)
+        .is_ok_and(|v| v["error"]["code"].as_str() == Some(NO_SPARE_REPLICA))
 }
 
 /// Writes a line's result; the outcome to report.
@@ -468,7 +534,10 @@ async fn record(
         Ok(false) => Outcome::Done { ok, tokens: 0 },
         Err(e) => {
             tracing::warn!(batch, idx, error = %e, "cannot write a batch line's result");
-            Outcome::Retry { counted: false }
+            Outcome::Retry {
+                counted: false,
+                cool: true,
+            }
         }
     }
 }

@@ -2,16 +2,21 @@
 //! request waits in the gateway for any route it serves, it is not preempting, and its
 //! predicted signals — KV usage against the high-water mark, the predicted wait for a first
 //! token against the TTFT promise, the predicted decode step with one more stream against the
-//! inter-token promise (the autoscaling signal's per-replica parts, `routes/fleet_gauges.rs`)
-//! — stay under `headroom` of what the interactive routes on it promise. The runner feeds at
-//! most one new line per spare replica per look, and looks once per predicted decode step, so
-//! feeding stops within one step of interactive load rising; lines already running finish.
+//! inter-token promise (the autoscaling signal's per-replica parts, `routes/fleet_gauges.rs`),
+//! the share of its streams' recent gaps over that promise against admission's stall budget
+//! — stay under `headroom` of what the interactive routes on it promise, and it runs fewer
+//! than `per_replica` batch lines. The runner feeds at most one new line per spare replica per
+//! look, scoped to the spare replicas (`request/place.rs`: a line goes to one of them, or back
+//! to its queue), and looks once per predicted decode step, so feeding stops within one step
+//! of interactive load rising; lines already running finish.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use config::Priority;
 
 use crate::fleet::registry::Registry;
+use crate::routes::admissible::STALL_BUDGET;
 use crate::routes::fleet_gauges::{replica_parts, route_targets};
 use crate::routes::store::ActivePolicy;
 
@@ -40,7 +45,7 @@ fn min_some(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 /// Looks at the fleet under the active policy.
-pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64) -> Trough {
+pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64, per_replica: usize) -> Trough {
     let slots = fleet.replicas().len();
     let mut out = Trough::default();
     let mut steps = Vec::new();
@@ -67,15 +72,22 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64) -> Trough {
             continue;
         };
         let running = fleet.pressure(slot, Duration::ZERO, 0).running.max(1);
-        steps.extend(r.model.lock().predict_itl(running));
+        let stalls = {
+            let m = r.model.lock();
+            steps.extend(m.predict_itl(running));
+            itl.and_then(|t| m.stall_share(Duration::from_secs_f64(t)))
+        };
         let under = |x: Option<f64>| x.is_none_or(|x| x < headroom);
+        let lines = r.background_in_flight.load(Ordering::Relaxed) as usize;
         if !waiting
+            && lines < per_replica
             && parts.queued_prefill_tokens == 0
             && r.background_prefill_outstanding() == 0
             && !parts.preempting
             && parts.kv < headroom
             && under(parts.ttft)
             && under(parts.itl)
+            && stalls.is_none_or(|s| s < headroom * STALL_BUDGET)
         {
             out.spare.push(slot);
         }

@@ -80,21 +80,28 @@ impl Drop for PendingPrefill {
 }
 
 /// Counts a request in flight at a replica, and its prompt tokens in the context there, for
-/// as long as it lives.
-pub struct InFlight(Arc<ReplicaHandle>, u64);
+/// as long as it lives; a `background` one (a route with an `engine_priority` above 0, such as
+/// the batch class) in the replica's background count too.
+pub struct InFlight(Arc<ReplicaHandle>, u64, bool);
 
 impl InFlight {
-    pub fn new(r: Arc<ReplicaHandle>, prompt_tokens: u64) -> Self {
+    pub fn new(r: Arc<ReplicaHandle>, prompt_tokens: u64, background: bool) -> Self {
         r.in_flight.fetch_add(1, Ordering::Relaxed);
+        if background {
+            r.background_in_flight.fetch_add(1, Ordering::Relaxed);
+        }
         r.context_in_flight
             .fetch_add(prompt_tokens, Ordering::Relaxed);
-        InFlight(r, prompt_tokens)
+        InFlight(r, prompt_tokens, background)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.2 {
+            self.0.background_in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
         self.0
             .context_in_flight
             .fetch_sub(self.1, Ordering::Relaxed);

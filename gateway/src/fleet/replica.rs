@@ -45,6 +45,9 @@ pub struct ReplicaHandle {
     pub(super) fails: AtomicU32,
     pub(super) oks: AtomicU32,
     pub in_flight: AtomicU32,
+    /// Of those, background requests (the batch class on a route with an `engine_priority`):
+    /// the trough's per-replica cap on batch lines.
+    pub background_in_flight: AtomicU32,
     /// Prompt tokens of this gateway's requests in flight there: the context its decode steps
     /// read (`fleet/step_fit.rs`).
     pub context_in_flight: AtomicU64,
@@ -136,6 +139,7 @@ impl ReplicaHandle {
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
+            background_in_flight: AtomicU32::new(0),
             context_in_flight: AtomicU64::new(0),
             waiting: AtomicU32::new(0),
             running: AtomicU32::new(0),

@@ -150,7 +150,7 @@ impl ProxyHttp for GatewayProxy {
                 let status = match state.keys.authenticate(&session.req_header().headers) {
                     Ok(grant) => {
                         rec.tenant = grant.as_ref().map(|g| g.tenant.clone());
-                        request::generate(state, session, ep, started, grant, &mut rec).await
+                        request::generate(state, session, ep, started, grant, None, &mut rec).await
                     }
                     Err(e) => {
                         state.metrics.auth_failed("api");

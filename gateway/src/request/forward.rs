@@ -357,7 +357,8 @@ impl Forwarder<'_> {
             };
             // Subscribed before sending, so an ejection in between is not missed.
             let mut ejected = Box::pin(replica.ejected());
-            let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
+            let in_flight =
+                InFlight::new(replica.clone(), p.prompt_tokens as u64, route.background());
             let uncached_tokens = uncached_tokens(p.prompt_tokens, d.matched_blocks, block_size);
             let (pending, joined) = match admitted.pending.take() {
                 Some(x) if attempt == 0 => x,

@@ -31,6 +31,7 @@ pub mod sse;
 pub mod tokenizer_pool;
 pub mod warm;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -46,12 +47,14 @@ use crate::request::prepared::{Caller, Endpoint};
 use crate::state::GatewayState;
 
 /// Runs a generation request through the pipeline and answers it; returns the status.
+/// `scope` narrows the replicas it may go to ([`prepared::Prepared::scope`]).
 pub async fn generate(
     state: &GatewayState,
     session: &mut Session,
     endpoint: Endpoint,
     started: Instant,
     grant: Option<Grant>,
+    scope: Option<Arc<[usize]>>,
     rec: &mut AccessRecord,
 ) -> u16 {
     let priority = match classify::priority(&session.req_header().headers, grant.as_ref()) {
@@ -107,6 +110,7 @@ pub async fn generate(
         Err(e) => return respond_error(session, &e).await,
     };
     prepared.model = model;
+    prepared.scope = scope;
     rec.prompt_tokens = Some(prepared.prompt_tokens);
     rec.stream = Some(prepared.stream);
 

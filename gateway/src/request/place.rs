@@ -27,6 +27,15 @@
 //! for such a prefix itself (its `/server_info` says `waits_for_prefix_in_flight`), joining the
 //! step after the blocks are computed, so the gateway sends the request at once: no hold, and
 //! no round trip through the KV events after the prefix is done.
+//!
+//! **A scoped request** (a batch line, `Prepared::scope`: the replicas the trough found spare)
+//! may go only to a replica of its scope with no background prompt of this gateway's still
+//! prefilling there — so the lines one look starts go to as many replicas, each the one of
+//! them that holds most of its prefix — and goes now or not at all: where it would be held,
+//! it is refused (503 `no_spare_replica`) and its runner puts it back. Before scopes, a line
+//! went wherever the batch route's placement liked, and the replica holding a task's system
+//! prompt ran 10–30 lines at once while the trough's per-replica gates assumed one or two
+//! (BENCHMARKS, issue 33).
 
 use std::time::Duration;
 
@@ -39,6 +48,9 @@ use crate::prefix::view::PrefixView;
 use crate::request::prepared::Prepared;
 use crate::routes::admissible::{admissible, Hold};
 use crate::routes::store::{ActivePolicy, ActiveRoute};
+
+/// The error code a scoped request is refused with when none of its replicas can take it.
+pub const NO_SPARE_REPLICA: &str = "no_spare_replica";
 
 /// Why a placement is asked for.
 #[derive(Debug, Clone, Copy)]
@@ -174,6 +186,30 @@ impl Placer<'_> {
         matched: &[usize],
         purpose: Purpose<'_>,
     ) -> Placement {
+        let mut placement = self.place_in_pool(a, route, p, matched, purpose);
+        // A scoped request never waits (its scope was true when it started, not later), and
+        // finding none of its replicas open is a refusal its caller retries, not a fault.
+        if p.scope.is_some() && !matches!(placement.outcome, Outcome::Go(_)) {
+            placement.outcome = Outcome::Fail(
+                ApiError::new(
+                    503,
+                    "service_unavailable",
+                    "none of the replicas this request was scoped to can take it now",
+                )
+                .with_code(NO_SPARE_REPLICA),
+            );
+        }
+        placement
+    }
+
+    fn place_in_pool(
+        &self,
+        a: &ActivePolicy,
+        route: &ActiveRoute,
+        p: &Prepared,
+        matched: &[usize],
+        purpose: Purpose<'_>,
+    ) -> Placement {
         let registry = self.fleet;
         let fleet = registry.snapshot();
         let mut placement = Placement {
@@ -185,9 +221,19 @@ impl Placer<'_> {
             held: Vec::new(),
             preferred: None,
         };
-        let outside: Vec<usize> = (0..placement.fleet.replicas.len())
+        let mut outside: Vec<usize> = (0..placement.fleet.replicas.len())
             .filter(|i| !route.pool.contains(i))
             .collect();
+        if let Some(scope) = &p.scope {
+            let replicas = registry.replicas();
+            for (i, r) in replicas.iter().enumerate() {
+                if !outside.contains(&i)
+                    && (!scope.contains(&i) || r.background_prefill_outstanding() > 0)
+                {
+                    outside.push(i);
+                }
+            }
+        }
         // The inter-token promise the stream is held to: a route without one (batch work)
         // still may not break the promise of the routes it shares replicas with.
         let itl = route.slo.itl.or_else(|| a.strictest_itl(&route.pool));

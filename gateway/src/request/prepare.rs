@@ -322,6 +322,7 @@ impl Preparer {
             tokenize_seconds,
             id_probe,
             doc: Arc::new(doc),
+            scope: None,
         })
     }
 }

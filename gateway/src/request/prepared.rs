@@ -81,6 +81,10 @@ pub struct Prepared {
     /// The body as it is forwarded: the client's `priority` removed, the tenant's salt in
     /// `cache_salt`; [`Prepared::body_for`] adds the route's engine priority.
     pub(crate) doc: Arc<serde_json::Map<String, Value>>,
+    /// The replicas this request may go to, when its caller narrows them (a batch line: the
+    /// replicas the trough found spare); such a request goes to one of them now or is refused
+    /// with 503 `no_spare_replica`, never waits. `None`: the route's whole pool.
+    pub scope: Option<Arc<[usize]>>,
 }
 
 #[derive(serde::Serialize)]

@@ -83,7 +83,7 @@ impl Warmer<'_> {
             p.hashes.clone(),
             route.background(),
         );
-        let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64);
+        let in_flight = InFlight::new(replica.clone(), p.prompt_tokens as u64, route.background());
         let counters = route.rt.stats.warms(reason.label());
         let client = self.fleet.client().clone();
         let path = p.endpoint.path();
@@ -126,6 +126,7 @@ mod tests {
             tokenize_seconds: 0.0,
             id_probe: None,
             doc: Arc::new(doc.as_object().unwrap().clone()),
+            scope: None,
         }
     }
 

@@ -63,6 +63,7 @@ fn fleet() -> Fleet {
         tokenize_seconds: 0.0,
         id_probe: None,
         doc: Arc::new(serde_json::Map::new()),
+        scope: None,
     };
     Fleet {
         registry,
@@ -131,4 +132,55 @@ fn a_prefix_in_flight_is_waited_for_no_longer_than_its_predicted_gain() {
         Outcome::Go(d) => assert_eq!(d.replica, 0, "it still goes where the prefix is"),
         o => panic!("held past its predicted gain: {o:?}"),
     }
+}
+
+/// A batch line scoped to the replicas the trough found spare goes only to one of them, to
+/// one with no batch prompt of this gateway's still prefilling there (so the lines of one
+/// look spread), and is refused at once — never held — when none is left.
+#[test]
+fn a_scoped_request_goes_only_to_a_free_replica_of_its_scope_and_never_waits() {
+    let mut f = fleet();
+    let placer = Placer {
+        fleet: &f.registry,
+        prefix: &f.prefix,
+    };
+    let active = f.policies.load();
+    let route = &active.routes[0];
+    let place = |p: &Prepared| {
+        let matched = placer.matched(p);
+        placer.place(
+            &active,
+            route,
+            p,
+            &matched,
+            Purpose::Dispatch {
+                waited: Duration::ZERO,
+            },
+        )
+    };
+    f.prompt.scope = Some(vec![1].into());
+    match place(&f.prompt).outcome {
+        Outcome::Go(d) => assert_eq!(d.replica, 1),
+        o => panic!("{o:?}"),
+    }
+    // An earlier line's prompt still prefilling on replica 1 (background work): the next
+    // line of the same look goes to the other replica of its scope, or nowhere.
+    let busy = f.registry.replica(1).unwrap();
+    let (_line, _) = PendingPrefill::new(busy, 300, vec![99u64].into(), true);
+    f.prompt.scope = Some(vec![0, 1].into());
+    match place(&f.prompt).outcome {
+        Outcome::Go(d) => assert_eq!(d.replica, 0),
+        o => panic!("{o:?}"),
+    }
+    f.prompt.scope = Some(vec![1].into());
+    match place(&f.prompt).outcome {
+        Outcome::Fail(e) => {
+            assert_eq!(e.status, 503);
+            assert_eq!(e.body.error.code.as_deref(), Some(NO_SPARE_REPLICA));
+        }
+        o => panic!("a scoped request was not refused: {o:?}"),
+    }
+    // Unscoped, the same request may go to either.
+    f.prompt.scope = None;
+    assert!(matches!(place(&f.prompt).outcome, Outcome::Go(_)));
 }
