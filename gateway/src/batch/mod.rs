@@ -10,14 +10,15 @@
 //!   checks, each problem a 400 naming its line;
 //! - [`objects`] — the OpenAI objects and ids; [`store`] — the database;
 //! - [`trough`] — which replicas may take a batch line now; [`line`] — one line through the
-//!   request pipeline; [`runner`] — the feeding loop: dispatch, results, cancel, expiry,
-//!   retention.
+//!   request pipeline; `attempt` — one line's try, its result written; [`runner`] — the
+//!   feeding loop: dispatch, results, cancel, expiry, retention.
 //!
 //! A gateway killed mid-job finds its unfinished batches in the database on restart and runs
 //! the lines that have no result yet; results are keyed by line, so each `custom_id` is in
 //! the output once.
 
 pub mod api;
+mod attempt;
 pub mod jsonl;
 pub mod line;
 pub mod multipart;
