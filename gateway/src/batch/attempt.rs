@@ -22,9 +22,21 @@ const MAX_ATTEMPTS: u32 = 3;
 pub(super) enum Outcome {
     /// Its result is in the database (`ok`: in the output file); `tokens` generated.
     Done { ok: bool, tokens: u64 },
-    /// Back in the queue; `counted`: this was a real attempt (a 5xx or a broken pipe);
-    /// `cool`: its batch waits a while before its next line (the fleet refused it).
-    Retry { counted: bool, cool: bool },
+    /// Back in the queue, for this reason.
+    Retry(Again),
+}
+
+/// Why a line goes back to its queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Again {
+    /// A real attempt failed (a 5xx, a broken pipe, its row unreadable): it counts towards
+    /// the line's attempts, and its batch waits before its next line.
+    Failed,
+    /// The fleet had no room after all (429, 503): its batch waits before its next line.
+    Refused,
+    /// The spare replicas it was started for filled up before it was placed: it never
+    /// reached one, and goes first at the next look.
+    Rescoped,
 }
 
 /// A finished attempt, as the runner hears of it.
@@ -60,32 +72,19 @@ pub(super) async fn run_line(
 }
 
 async fn attempt(state: Arc<GatewayState>, store: &Arc<Store>, started: &Started) -> Outcome {
-    let Started {
-        batch,
-        endpoint,
-        grant,
-        scope,
-        idx,
-        attempts,
-    } = started;
-    let (batch, idx, attempts) = (batch.as_str(), *idx, *attempts);
+    let (batch, idx) = (started.batch.as_str(), started.idx);
     let id = batch.to_string();
     let line = match store.call(move |s| s.line(&id, idx)).await {
         Ok(Some(l)) => l,
         // Gone (the batch was deleted) or unreadable: tried again, then left to the finish.
-        _ => {
-            return Outcome::Retry {
-                counted: true,
-                cool: true,
-            }
-        }
+        _ => return Outcome::Retry(Again::Failed),
     };
-    let last = attempts + 1 >= MAX_ATTEMPTS;
+    let last = started.attempts + 1 >= MAX_ATTEMPTS;
     let answer = match line::run(
         state,
-        grant.clone(),
-        scope.clone(),
-        endpoint,
+        started.grant.clone(),
+        started.scope.clone(),
+        &started.endpoint,
         Bytes::from(line.body),
     )
     .await
@@ -98,33 +97,13 @@ async fn attempt(state: Arc<GatewayState>, store: &Arc<Store>, started: &Started
         }
         Err(e) => {
             tracing::warn!(batch, idx, error = %e, "batch line failed in the gateway");
-            return Outcome::Retry {
-                counted: true,
-                cool: true,
-            };
+            return Outcome::Retry(Again::Failed);
         }
     };
     match answer.status {
-        // The spare replicas it was started for filled up meanwhile: back to the queue for
-        // the next look, the batch not slowed.
-        503 if no_spare_replica(&answer.body) => {
-            return Outcome::Retry {
-                counted: false,
-                cool: false,
-            }
-        }
-        429 | 503 => {
-            return Outcome::Retry {
-                counted: false,
-                cool: true,
-            }
-        }
-        s if s >= 500 && !last => {
-            return Outcome::Retry {
-                counted: true,
-                cool: true,
-            }
-        }
+        503 if no_spare_replica(&answer.body) => return Outcome::Retry(Again::Rescoped),
+        429 | 503 => return Outcome::Retry(Again::Refused),
+        s if s >= 500 && !last => return Outcome::Retry(Again::Failed),
         _ => {}
     }
     let ok = (200..300).contains(&answer.status);
@@ -165,10 +144,7 @@ async fn record(
         Ok(false) => Outcome::Done { ok, tokens: 0 },
         Err(e) => {
             tracing::warn!(batch, idx, error = %e, "cannot write a batch line's result");
-            Outcome::Retry {
-                counted: false,
-                cool: true,
-            }
+            Outcome::Retry(Again::Refused)
         }
     }
 }

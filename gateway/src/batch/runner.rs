@@ -6,7 +6,9 @@
 //!
 //! - a 2xx answer goes to the output file, a 4xx (or a 5xx a third time) to the error file;
 //! - a 429 or 503 (the fleet had no room after all) or a broken pipe puts the line back, and
-//!   the batch waits a second before its next line;
+//!   the batch waits a second before its next line; a 503 `no_spare_replica` (the spare
+//!   replicas it was scoped to filled up before it was placed) puts it first for the next
+//!   look, the batch not slowed;
 //! - a cancelled or expired batch starts nothing more; once its running lines finish it is
 //!   finalised, the lines never run written to the error file with `batch_cancelled` or
 //!   `batch_expired`, as OpenAI does. A batch whose lines all have results is `completed`.
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 use config::{Grant, Priority};
 use tokio::sync::mpsc;
 
-use crate::batch::attempt::{run_line, Outcome, Report, Started};
+use crate::batch::attempt::{run_line, Again, Outcome, Report, Started};
 use crate::batch::objects::{now_s, BatchRow, Status};
 use crate::batch::store::{Ending, StoreError};
 use crate::batch::{trough, Batches};
@@ -236,21 +238,15 @@ fn apply(jobs: &mut [Job], r: Report, m: &crate::metrics::GatewayMetrics, pace: 
                 job.row.failed += 1;
             }
         }
-        Outcome::Retry { counted, cool } => {
-            // A line its spare replicas filled up before it was placed never reached one.
-            if cool {
-                m.counter("kvgate_batch_lines_total", &[("outcome", "retried")])
-                    .increment(1);
-            }
-            if counted {
+        Outcome::Retry(Again::Rescoped) => job.pending.push_front(r.idx),
+        Outcome::Retry(again) => {
+            m.counter("kvgate_batch_lines_total", &[("outcome", "retried")])
+                .increment(1);
+            if again == Again::Failed {
                 *job.attempts.entry(r.idx).or_insert(0) += 1;
             }
-            if cool {
-                job.pending.push_back(r.idx);
-                job.cooldown_until = Some(Instant::now() + COOLDOWN);
-            } else {
-                job.pending.push_front(r.idx);
-            }
+            job.pending.push_back(r.idx);
+            job.cooldown_until = Some(Instant::now() + COOLDOWN);
         }
     }
 }
