@@ -122,6 +122,7 @@ tokenizer_dir = "$tok"
 path = "$work/$tag-batch.sqlite3"
 max_in_flight = ${KVGATE_BATCH_IN_FLIGHT:-0}
 headroom = ${KVGATE_BATCH_HEADROOM:-0.7}
+max_per_replica = ${KVGATE_BATCH_PER_REPLICA:-4}
 [access_log]
 mode = "full"
 path = "$out/logs/access-$tag.jsonl"

@@ -8,6 +8,15 @@
 //! emitted) only when a fresh block is needed and it is the least recently freed. A sequence
 //! frees its blocks last-first, so the tail of a prefix is evicted before its head, as in vLLM.
 //!
+//! Unlike vLLM, free blocks wait in two tiers, each least-recently-freed first, and the
+//! [`Tier::Background`] one is evicted before any block of the [`Tier::Foreground`] one. A block
+//! joins the foreground tier once a foreground (interactive) sequence has let go of it since it
+//! was handed out fresh; blocks only background (batch) sequences used, and blocks that hold no
+//! hash, join the background tier. So a batch job streaming thousands of one-off prompts through
+//! a replica evicts its own leftovers, not the conversations the replica's interactive traffic
+//! will come back to (BENCHMARKS, issue 33: with one LRU list, follow-up turns lost their cached
+//! prefix and were prefilled cold while a batch ran).
+//!
 //! Sequences hold their blocks through a [`BlockTable`], which returns them on drop (RAII).
 
 use std::collections::HashMap;
@@ -19,13 +28,58 @@ use protocol::kv_events::KvEvent;
 pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
 
+/// Which free list a released block joins: background blocks are evicted first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Foreground,
+    Background,
+}
+
+impl Tier {
+    /// The tier of a request of engine `priority` (vLLM's convention: lower is served first;
+    /// 0 is the default, and kvgate's batch route sends 1): above 0 is background.
+    pub fn of_priority(priority: i32) -> Self {
+        if priority > 0 {
+            Tier::Background
+        } else {
+            Tier::Foreground
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Tier::Background => 0,
+            Tier::Foreground => 1,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Block {
     hash: Option<u64>,
     ref_count: u32,
     prev: u32,
     next: u32,
-    in_free_list: bool,
+    /// The free list it is in, if any.
+    free_in: Option<Tier>,
+    /// A foreground sequence has released it since it was last handed out fresh.
+    foreground: bool,
+}
+
+/// One doubly linked free list (through `Block::prev`/`next`), least recently freed at `head`.
+#[derive(Debug, Clone, Copy)]
+struct FreeList {
+    head: u32,
+    tail: u32,
+}
+
+impl Default for FreeList {
+    fn default() -> Self {
+        FreeList {
+            head: NIL,
+            tail: NIL,
+        }
+    }
 }
 
 /// Token counters for the prefix cache: queried prompt tokens and those found cached.
@@ -39,8 +93,8 @@ pub struct PrefixStats {
 pub struct BlockPool {
     block_size: usize,
     blocks: Vec<Block>,
-    free_head: u32,
-    free_tail: u32,
+    /// Indexed by [`Tier::index`]: background first, the order of eviction.
+    free: [FreeList; 2],
     free_len: usize,
     cached: HashMap<u64, BlockId>,
     pending: Vec<KvEvent>,
@@ -59,12 +113,12 @@ impl BlockPool {
                     ref_count: 0,
                     prev: NIL,
                     next: NIL,
-                    in_free_list: false,
+                    free_in: None,
+                    foreground: false,
                 };
                 num_blocks
             ],
-            free_head: NIL,
-            free_tail: NIL,
+            free: [FreeList::default(); 2],
             free_len: 0,
             cached: HashMap::new(),
             pending: Vec::new(),
@@ -72,7 +126,7 @@ impl BlockPool {
             caching: enable_prefix_caching,
         };
         for id in 0..num_blocks as u32 {
-            pool.push_free_tail(id);
+            pool.push_free_tail(id, Tier::Background);
         }
         pool
     }
@@ -121,42 +175,56 @@ impl BlockPool {
         self.blocks[id as usize].hash
     }
 
-    fn push_free_tail(&mut self, id: u32) {
-        let b = &mut self.blocks[id as usize];
-        debug_assert!(!b.in_free_list);
-        b.in_free_list = true;
-        b.prev = self.free_tail;
-        b.next = NIL;
-        if self.free_tail == NIL {
-            self.free_head = id;
+    fn push_free_tail(&mut self, id: u32, tier: Tier) {
+        let list = &mut self.free[tier.index()];
+        let tail = list.tail;
+        list.tail = id;
+        if tail == NIL {
+            list.head = id;
         } else {
-            self.blocks[self.free_tail as usize].next = id;
+            self.blocks[tail as usize].next = id;
         }
-        self.free_tail = id;
+        let b = &mut self.blocks[id as usize];
+        debug_assert!(b.free_in.is_none());
+        b.free_in = Some(tier);
+        b.prev = tail;
+        b.next = NIL;
         self.free_len += 1;
     }
 
     fn unlink_free(&mut self, id: u32) {
-        let (prev, next) = {
+        let (prev, next, tier) = {
             let b = &self.blocks[id as usize];
-            debug_assert!(b.in_free_list);
-            (b.prev, b.next)
+            (b.prev, b.next, b.free_in.expect("block is not free"))
         };
+        let list = &mut self.free[tier.index()];
         if prev == NIL {
-            self.free_head = next;
-        } else {
-            self.blocks[prev as usize].next = next;
+            list.head = next;
         }
         if next == NIL {
-            self.free_tail = prev;
-        } else {
+            list.tail = prev;
+        }
+        if prev != NIL {
+            self.blocks[prev as usize].next = next;
+        }
+        if next != NIL {
             self.blocks[next as usize].prev = prev;
         }
         let b = &mut self.blocks[id as usize];
-        b.in_free_list = false;
+        b.free_in = None;
         b.prev = NIL;
         b.next = NIL;
         self.free_len -= 1;
+    }
+
+    /// The block evicted next: the least recently freed of the background tier, else of the
+    /// foreground one.
+    fn next_victim(&self) -> u32 {
+        self.free
+            .iter()
+            .map(|l| l.head)
+            .find(|&h| h != NIL)
+            .unwrap_or(NIL)
     }
 
     /// The longest run of leading `hashes` that are cached, as block ids. Read-only.
@@ -193,16 +261,17 @@ impl BlockPool {
         self.stats.hit_tokens += hit as u64;
     }
 
-    /// Hands out `n` fresh blocks, evicting the least recently freed cached ones; `None` (and
-    /// nothing changed) when fewer than `n` are free.
+    /// Hands out `n` fresh blocks, evicting the least recently freed cached ones, background
+    /// tier first; `None` (and nothing changed) when fewer than `n` are free.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
         if n > self.free_len {
             return None;
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let id = self.free_head;
+            let id = self.next_victim();
             self.unlink_free(id);
+            self.blocks[id as usize].foreground = false;
             if let Some(h) = self.blocks[id as usize].hash.take() {
                 if self.cached.get(&h) == Some(&id) {
                     self.cached.remove(&h);
@@ -216,14 +285,21 @@ impl BlockPool {
     }
 
     /// Drops one reference on each block, last block first, so a sequence's tail is evicted
-    /// before its head.
-    pub fn release(&mut self, ids: &[BlockId]) {
+    /// before its head. `by` is the releasing sequence's tier: a block a foreground sequence
+    /// used joins the foreground free list when its last user lets go.
+    pub fn release(&mut self, ids: &[BlockId], by: Tier) {
         for &id in ids.iter().rev() {
             let b = &mut self.blocks[id as usize];
             assert!(b.ref_count > 0, "double release of block {id}");
             b.ref_count -= 1;
+            b.foreground |= by == Tier::Foreground;
             if b.ref_count == 0 {
-                self.push_free_tail(id);
+                let tier = if b.foreground && b.hash.is_some() {
+                    Tier::Foreground
+                } else {
+                    Tier::Background
+                };
+                self.push_free_tail(id, tier);
             }
         }
     }
@@ -278,17 +354,19 @@ impl BlockPool {
     /// dropped and reported removed; blocks in use keep theirs. Returns how many were dropped.
     pub fn flush_cached(&mut self) -> usize {
         let mut dropped = 0;
-        let mut id = self.free_head;
-        while id != NIL {
-            let next = self.blocks[id as usize].next;
-            if let Some(h) = self.blocks[id as usize].hash.take() {
-                if self.cached.get(&h) == Some(&id) {
-                    self.cached.remove(&h);
-                    self.emit_removed(h);
-                    dropped += 1;
+        for tier in 0..self.free.len() {
+            let mut id = self.free[tier].head;
+            while id != NIL {
+                let next = self.blocks[id as usize].next;
+                if let Some(h) = self.blocks[id as usize].hash.take() {
+                    if self.cached.get(&h) == Some(&id) {
+                        self.cached.remove(&h);
+                        self.emit_removed(h);
+                        dropped += 1;
+                    }
                 }
+                id = next;
             }
-            id = next;
         }
         dropped
     }
@@ -304,13 +382,16 @@ impl BlockPool {
 pub struct BlockTable {
     pool: Arc<Mutex<BlockPool>>,
     ids: Vec<BlockId>,
+    tier: Tier,
 }
 
 impl BlockTable {
-    pub fn new(pool: Arc<Mutex<BlockPool>>) -> Self {
+    /// An empty table for a sequence of `tier`, which decides where its blocks wait when freed.
+    pub fn new(pool: Arc<Mutex<BlockPool>>, tier: Tier) -> Self {
         BlockTable {
             pool,
             ids: Vec::new(),
+            tier,
         }
     }
 
@@ -334,7 +415,7 @@ impl BlockTable {
     pub fn release_all(&mut self) {
         if !self.ids.is_empty() {
             let ids = std::mem::take(&mut self.ids);
-            self.pool.lock().release(&ids);
+            self.pool.lock().release(&ids, self.tier);
         }
     }
 }
@@ -359,7 +440,7 @@ mod tests {
         let a = p.allocate(2).unwrap();
         p.commit(a[0], 10, None, &[1, 2, 3, 4]);
         p.commit(a[1], 11, Some(10), &[5, 6, 7, 8]);
-        p.release(&a);
+        p.release(&a, Tier::Foreground);
         assert_eq!(p.num_free(), 4);
         let hit = p.lookup_prefix(&[10, 11, 12]);
         assert_eq!(hit, a);
@@ -394,7 +475,7 @@ mod tests {
         p.commit(kept[0], 1, None, &[1, 2, 3, 4]);
         p.commit(gone[0], 2, None, &[5, 6, 7, 8]);
         p.commit(gone[1], 3, Some(2), &[9, 10, 11, 12]);
-        p.release(&gone);
+        p.release(&gone, Tier::Foreground);
         p.take_events();
         assert_eq!(p.flush_cached(), 2);
         assert_eq!(p.lookup_prefix(&[2]), Vec::<BlockId>::new());
@@ -417,8 +498,8 @@ mod tests {
         let b = p.allocate(2).unwrap(); // chain B: 3 -> 4
         p.commit(b[0], 3, None, &[1; 4]);
         p.commit(b[1], 4, Some(3), &[1; 4]);
-        p.release(&a); // A freed first: its tail (2) then head (1)
-        p.release(&b);
+        p.release(&a, Tier::Foreground); // A freed first: its tail (2) then head (1)
+        p.release(&b, Tier::Foreground);
         p.take_events();
         let got = p.allocate(1).unwrap();
         assert_eq!(
@@ -440,13 +521,62 @@ mod tests {
     }
 
     #[test]
+    fn background_leftovers_are_evicted_before_what_interactive_requests_used() {
+        let mut p = pool(6);
+        let chat = p.allocate(2).unwrap(); // an interactive conversation: 1 -> 2
+        p.commit(chat[0], 1, None, &[0; 4]);
+        p.commit(chat[1], 2, Some(1), &[0; 4]);
+        let shared = p.allocate(1).unwrap(); // a prefix both classes use
+        p.commit(shared[0], 3, None, &[1; 4]);
+        let batch = p.allocate(2).unwrap(); // a batch line's own blocks: 4 -> 5
+        p.commit(batch[0], 4, None, &[2; 4]);
+        p.commit(batch[1], 5, Some(4), &[2; 4]);
+        let partial = p.allocate(1).unwrap(); // never filled: no hash
+        p.acquire(&shared);
+        // The conversation is freed first, so under one LRU list it would go first.
+        p.release(&chat, Tier::Foreground);
+        p.release(&shared, Tier::Foreground);
+        p.release(&partial, Tier::Foreground);
+        p.release(&batch, Tier::Background);
+        p.release(&shared, Tier::Background);
+        p.take_events();
+        // The hashless block, then the batch line's blocks (tail first)...
+        assert_eq!(p.allocate(3).unwrap(), vec![partial[0], batch[1], batch[0]]);
+        assert_eq!(p.lookup_prefix(&[1, 2]), chat);
+        assert_eq!(p.lookup_prefix(&[3]), shared);
+        // ...and only then, least recently freed first, what interactive requests used.
+        assert_eq!(p.allocate(3).unwrap(), vec![chat[1], chat[0], shared[0]]);
+        assert_eq!(
+            p.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![5, 4, 2, 1, 3],
+                medium: Some("GPU".into())
+            }]
+        );
+    }
+
+    #[test]
+    fn a_block_handed_out_fresh_forgets_its_tier() {
+        let mut p = pool(1);
+        let a = p.allocate(1).unwrap();
+        p.commit(a[0], 1, None, &[0; 4]);
+        p.release(&a, Tier::Foreground);
+        assert_eq!(p.blocks[a[0] as usize].free_in, Some(Tier::Foreground));
+        let b = p.allocate(1).unwrap(); // evicted and handed out again, to a batch line
+        assert_eq!(b, a);
+        p.commit(b[0], 2, None, &[1; 4]);
+        p.release(&b, Tier::Background);
+        assert_eq!(p.blocks[b[0] as usize].free_in, Some(Tier::Background));
+    }
+
+    #[test]
     fn refcounts_never_free_a_block_in_use() {
         let mut p = pool(2);
         let a = p.allocate(1).unwrap();
         p.commit(a[0], 7, None, &[0; 4]);
         let shared = p.lookup_prefix(&[7]);
         p.acquire(&shared); // a second sequence shares the block
-        p.release(&a); // first sequence finishes
+        p.release(&a, Tier::Foreground); // first sequence finishes
         assert_eq!(p.ref_count(a[0]), 1);
         assert_eq!(p.num_free(), 1);
         // Only the other block can be handed out; the shared one is not evictable.
@@ -454,7 +584,7 @@ mod tests {
         let other = p.allocate(1).unwrap();
         assert_ne!(other[0], a[0]);
         assert_eq!(p.hash_of(a[0]), Some(7));
-        p.release(&shared);
+        p.release(&shared, Tier::Foreground);
         assert_eq!(p.ref_count(a[0]), 0);
     }
 
@@ -462,7 +592,7 @@ mod tests {
     fn block_table_returns_blocks_on_drop() {
         let pool = Arc::new(Mutex::new(pool(3)));
         {
-            let mut t = BlockTable::new(pool.clone());
+            let mut t = BlockTable::new(pool.clone(), Tier::Foreground);
             let ids = pool.lock().allocate(3).unwrap();
             t.push(ids);
             assert_eq!(pool.lock().num_free(), 0);

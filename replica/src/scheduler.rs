@@ -19,7 +19,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use protocol::hashing::{cacheable_prompt_blocks, extend_block_hashes};
 
-use crate::block_manager::{BlockPool, BlockTable, PrefixStats};
+use crate::block_manager::{BlockPool, BlockTable, PrefixStats, Tier};
 use crate::sampling::SamplingParams;
 
 pub type SeqId = u64;
@@ -276,6 +276,7 @@ impl Scheduler {
         extend_block_hashes(&mut hashes, req.hash_root, &req.prompt, self.cfg.block_size);
         let arrival = self.next_arrival;
         self.next_arrival += 1;
+        let tier = Tier::of_priority(req.priority);
         let seq = Sequence {
             tokens: req.prompt.clone(),
             prompt_len: req.prompt.len(),
@@ -283,7 +284,7 @@ impl Scheduler {
             arrival,
             num_computed: 0,
             hashes,
-            blocks: BlockTable::new(self.pool.clone()),
+            blocks: BlockTable::new(self.pool.clone(), tier),
             committed: 0,
             cached_tokens: None,
             scheduled: 0,
