@@ -13,6 +13,8 @@
 # lines refused. Writes DIR/seed-S-MODE.{json,busy,batch} and DIR/summary.md.
 #   loadtest/batch_trough.sh --out DIR [--seeds 4,5,6] [--day 360] [--peak 8] [--low 0.125]
 #                            [--lines 20000] [--window 1h] [--modes alone,api,route]
+# The gateway's batch settings come from KVGATE_BATCH_HEADROOM (0.7), KVGATE_BATCH_PER_REPLICA (4)
+# and KVGATE_BATCH_IN_FLIGHT (0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -38,7 +40,7 @@ while [ $# -gt 0 ]; do
     --window) window=${2:?}; shift ;;
     --modes) modes=${2:?}; shift ;;
     --concurrency) concurrency=${2:?}; shift ;;
-    -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "batch_trough.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
