@@ -354,8 +354,8 @@ impl BlockPool {
     /// dropped and reported removed; blocks in use keep theirs. Returns how many were dropped.
     pub fn flush_cached(&mut self) -> usize {
         let mut dropped = 0;
-        for tier in 0..self.free.len() {
-            let mut id = self.free[tier].head;
+        for list in self.free {
+            let mut id = list.head;
             while id != NIL {
                 let next = self.blocks[id as usize].next;
                 if let Some(h) = self.blocks[id as usize].hash.take() {
