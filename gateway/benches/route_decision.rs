@@ -89,7 +89,7 @@ fn bench(c: &mut Criterion) {
         // What placement does for a dispatch with admission off: one fleet snapshot, the
         // index's match counts, the policy.
         let matched = r.prefix.matched(p.blocks(), &r.registry.index_scope());
-        let set = r.registry.snapshot();
+        let set = r.registry.snapshot(false);
         let req = policies::RouteRequest {
             block_hashes: &p.hashes,
             prompt_tokens: p.prompt_tokens,

@@ -242,7 +242,8 @@ impl Registry {
         self.epoch.elapsed().as_secs() as u32
     }
 
-    pub fn snapshot(&self) -> ReplicaSet {
+    /// The fleet as a request of this class sees it (`background`: [`ReplicaHandle::load_for`]).
+    pub fn snapshot(&self, background: bool) -> ReplicaSet {
         ReplicaSet {
             replicas: self
                 .replicas
@@ -251,7 +252,7 @@ impl Registry {
                 .map(|r| ReplicaView {
                     name: r.name.clone(),
                     healthy: r.is_healthy(),
-                    load: r.load(),
+                    load: r.load_for(background),
                     speed: r.speed(),
                 })
                 .collect(),

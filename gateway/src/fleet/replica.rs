@@ -310,6 +310,25 @@ impl ReplicaHandle {
             kv_usage: f64::from_bits(self.kv_usage_bits.load(Ordering::Relaxed)),
         }
     }
+
+    /// The load a request of this class weighs here. A foreground request leaves out this
+    /// gateway's background requests: the replica admits it before them, they hold little KV
+    /// and finish within seconds, and the trough stops feeding a replica once foreground work
+    /// wants it (`batch/trough.rs`). Counted as whole requests they made foreground traffic
+    /// avoid the replicas filling the trough, and the trough then filled the ones it left: at
+    /// night a fleet's conversations crowded onto one or two replicas and lost their cache
+    /// (BENCHMARKS, issue 33). The step they lengthen stays in [`ReplicaHandle::speed`].
+    pub fn load_for(&self, background: bool) -> LoadSignal {
+        let mut l = self.load();
+        if !background {
+            let lines = self.background_in_flight.load(Ordering::Relaxed);
+            l.in_flight = l.in_flight.saturating_sub(lines);
+            let from_waiting = lines.min(l.waiting);
+            l.waiting -= from_waiting;
+            l.running = l.running.saturating_sub(lines - from_waiting);
+        }
+        l
+    }
 }
 
 impl ReplicaHandle {

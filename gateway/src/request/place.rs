@@ -211,7 +211,7 @@ impl Placer<'_> {
         purpose: Purpose<'_>,
     ) -> Placement {
         let registry = self.fleet;
-        let fleet = registry.snapshot();
+        let fleet = registry.snapshot(route.background());
         let mut placement = Placement {
             outcome: Outcome::Hold {
                 reason: "none",

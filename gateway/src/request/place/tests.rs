@@ -4,7 +4,7 @@ use config::{GatewayConfig, PolicyConfig, PolicyFile};
 
 use super::*;
 use crate::fleet::client::http_client;
-use crate::fleet::guards::PendingPrefill;
+use crate::fleet::guards::{InFlight, PendingPrefill};
 use crate::metrics::GatewayMetrics;
 use crate::prefix::index::PrefixIndex;
 use crate::prefix::zmq::EventSink;
@@ -183,4 +183,52 @@ fn a_scoped_request_goes_only_to_a_free_replica_of_its_scope_and_never_waits() {
     // Unscoped, the same request may go to either.
     f.prompt.scope = None;
     assert!(matches!(place(&f.prompt).outcome, Outcome::Go(_)));
+}
+
+/// A foreground request weighs only foreground load: replica 0 running three batch lines
+/// (background) and replica 1 one interactive stream, a new interactive request with no
+/// prefix anywhere goes to replica 0, while the fleet as batch work sees it counts all four.
+#[test]
+fn a_foreground_request_does_not_count_background_lines_as_load() {
+    let f = fleet();
+    let placer = Placer {
+        fleet: &f.registry,
+        prefix: &f.prefix,
+    };
+    let lines = f.registry.replica(0).unwrap();
+    let _lines: Vec<_> = (0..3)
+        .map(|_| InFlight::new(lines.clone(), 400, true))
+        .collect();
+    let _stream = InFlight::new(f.registry.replica(1).unwrap(), 400, false);
+    let loads = |background| -> Vec<u32> {
+        f.registry
+            .snapshot(background)
+            .replicas
+            .iter()
+            .map(|r| r.load.requests())
+            .collect()
+    };
+    assert_eq!(loads(false), vec![0, 1]);
+    assert_eq!(loads(true), vec![3, 1]);
+
+    let active = f.policies.load();
+    let route = &active.routes[0];
+    assert!(!route.background());
+    let matched = placer.matched(&f.prompt);
+    assert_eq!(matched, vec![0, 0]);
+    match placer
+        .place(
+            &active,
+            route,
+            &f.prompt,
+            &matched,
+            Purpose::Dispatch {
+                waited: Duration::ZERO,
+            },
+        )
+        .outcome
+    {
+        Outcome::Go(d) => assert_eq!(d.replica, 0, "the replica without foreground work"),
+        o => panic!("{o:?}"),
+    }
 }
