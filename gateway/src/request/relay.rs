@@ -134,10 +134,19 @@ impl Relay<'_> {
     /// forever, issue 29): its time from sending less its other tokens' decode at the learnt step,
     /// only while that decode is at most a quarter of the time — a step e off then moves the
     /// estimate at most e/3 (a half let a step 2× off in front of vLLM teach 7.8 s for 0.5 s).
+    /// A background answer (a batch line) teaches nothing: the replica prefills it after
+    /// interactive work and in short chunks, so its time is not what an interactive prompt
+    /// waits, and its 48 decoded tokens ride steps the fit cannot price. A few lines in 4,500 a
+    /// run passed the quarter test anyway (3.3 s taught for 171 uncached tokens), and the
+    /// replica looked too slow to take anything for ~20 s, then took a herd (BENCHMARKS,
+    /// issue 33).
     fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) -> Option<Duration> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
         model.token_relayed(now);
+        if ctx.route.background() {
+            return None;
+        }
         let batch = ctx.replica.load().requests().max(1);
         let decode = match output_tokens {
             0 | 1 => Duration::ZERO,
