@@ -144,15 +144,12 @@ impl Relay<'_> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
         model.token_relayed(now);
-        if ctx.route.background() {
-            return None;
-        }
         let batch = ctx.replica.load().requests().max(1);
         let decode = match output_tokens {
             0 | 1 => Duration::ZERO,
             n => model.predict_itl(batch)?.mul_f64((n - 1) as f64),
         };
-        let prefill = total.checked_sub(decode).filter(|&p| p >= total * 3 / 4)?;
+        let prefill = taught_prefill(total, decode, ctx.route.background())?;
         model.observe_ttft(ctx.prefill, prefill);
         Some(prefill)
     }
@@ -505,4 +502,33 @@ struct Upstream {
     body: hyper::body::Incoming,
     tap: SseTap,
     first: Bytes,
+}
+
+/// The prefill a whole answer of `total` teaches, `decode` of it predicted for its other
+/// tokens ([`Relay::learn_from_whole`]): none for a background answer, nor where the decode is
+/// over a quarter of the time.
+fn taught_prefill(total: Duration, decode: Duration, background: bool) -> Option<Duration> {
+    if background {
+        return None;
+    }
+    total.checked_sub(decode).filter(|&p| p >= total * 3 / 4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_foreground_answer_mostly_prefill_teaches_the_fit() {
+        let ms = Duration::from_millis;
+        assert_eq!(taught_prefill(ms(1_000), ms(200), false), Some(ms(800)));
+        assert_eq!(
+            taught_prefill(ms(1_000), ms(300), false),
+            None,
+            "decode over a quarter"
+        );
+        // A batch line the step model underpriced: 3.35 s with 0.5 s of predicted decode.
+        assert_eq!(taught_prefill(ms(3_350), ms(500), true), None);
+        assert_eq!(taught_prefill(ms(3_350), ms(500), false), Some(ms(2_850)));
+    }
 }
