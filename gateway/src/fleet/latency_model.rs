@@ -298,5 +298,18 @@ impl LatencyModel {
     }
 }
 
+/// The prefill a whole (unstreamed) answer of `total` teaches the TTFT fit, `decode` of it
+/// predicted for its other tokens (`request/relay.rs`): none for a background answer (a batch
+/// line: prefilled after interactive work, in short chunks, its decode on steps the fit cannot
+/// price), nor where the decode is over a quarter of the time. A few batch lines in 4,500 a run
+/// passed the quarter test (3.3 s taught for 171 uncached tokens), and the replica looked too
+/// slow to take anything for ~20 s, then took a herd (BENCHMARKS, issue 33).
+pub fn taught_prefill(total: Duration, decode: Duration, background: bool) -> Option<Duration> {
+    if background {
+        return None;
+    }
+    total.checked_sub(decode).filter(|&p| p >= total * 3 / 4)
+}
+
 #[cfg(test)]
 pub(crate) mod tests;

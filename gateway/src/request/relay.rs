@@ -21,7 +21,7 @@ use serde_json::Value;
 use crate::access_log::AccessRecord;
 use crate::fleet::client::UpstreamLimits;
 use crate::fleet::guards::PendingPrefill;
-use crate::fleet::latency_model::Prefill;
+use crate::fleet::latency_model::{taught_prefill, Prefill};
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::ReplicaHandle;
 use crate::metrics::GatewayMetrics;
@@ -134,12 +134,7 @@ impl Relay<'_> {
     /// forever, issue 29): its time from sending less its other tokens' decode at the learnt step,
     /// only while that decode is at most a quarter of the time — a step e off then moves the
     /// estimate at most e/3 (a half let a step 2× off in front of vLLM teach 7.8 s for 0.5 s).
-    /// A background answer (a batch line) teaches nothing: the replica prefills it after
-    /// interactive work and in short chunks, so its time is not what an interactive prompt
-    /// waits, and its 48 decoded tokens ride steps the fit cannot price. A few lines in 4,500 a
-    /// run passed the quarter test anyway (3.3 s taught for 171 uncached tokens), and the
-    /// replica looked too slow to take anything for ~20 s, then took a herd (BENCHMARKS,
-    /// issue 33).
+    /// A batch line's answer teaches nothing ([`taught_prefill`]; BENCHMARKS, issue 33).
     fn learn_from_whole(ctx: &RelayCtx<'_>, now: Instant, output_tokens: u64) -> Option<Duration> {
         let total = now - ctx.sent_at;
         let mut model = ctx.replica.model.lock();
@@ -502,33 +497,4 @@ struct Upstream {
     body: hyper::body::Incoming,
     tap: SseTap,
     first: Bytes,
-}
-
-/// The prefill a whole answer of `total` teaches, `decode` of it predicted for its other
-/// tokens ([`Relay::learn_from_whole`]): none for a background answer, nor where the decode is
-/// over a quarter of the time.
-fn taught_prefill(total: Duration, decode: Duration, background: bool) -> Option<Duration> {
-    if background {
-        return None;
-    }
-    total.checked_sub(decode).filter(|&p| p >= total * 3 / 4)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_foreground_answer_mostly_prefill_teaches_the_fit() {
-        let ms = Duration::from_millis;
-        assert_eq!(taught_prefill(ms(1_000), ms(200), false), Some(ms(800)));
-        assert_eq!(
-            taught_prefill(ms(1_000), ms(300), false),
-            None,
-            "decode over a quarter"
-        );
-        // A batch line the step model underpriced: 3.35 s with 0.5 s of predicted decode.
-        assert_eq!(taught_prefill(ms(3_350), ms(500), true), None);
-        assert_eq!(taught_prefill(ms(3_350), ms(500), false), Some(ms(2_850)));
-    }
 }

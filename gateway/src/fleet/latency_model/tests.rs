@@ -259,3 +259,17 @@ fn a_request_sent_too_late_for_the_next_step_teaches_the_lag_not_the_fit() {
     let prior = GENERIC_OVERHEAD_S + 2_000.0 / GENERIC_PREFILL_RATE;
     assert!((t - prior).abs() < 0.03, "{t} vs {prior}");
 }
+
+#[test]
+fn only_a_foreground_answer_mostly_prefill_teaches_the_fit() {
+    let ms = Duration::from_millis;
+    assert_eq!(taught_prefill(ms(1_000), ms(200), false), Some(ms(800)));
+    assert_eq!(
+        taught_prefill(ms(1_000), ms(300), false),
+        None,
+        "decode over a quarter"
+    );
+    // A batch line the step model underpriced: 3.35 s with 0.5 s of predicted decode.
+    assert_eq!(taught_prefill(ms(3_350), ms(500), true), None);
+    assert_eq!(taught_prefill(ms(3_350), ms(500), false), Some(ms(2_850)));
+}
