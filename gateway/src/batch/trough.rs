@@ -5,7 +5,8 @@
 //! inter-token promise (the autoscaling signal's per-replica parts, `routes/fleet_gauges.rs`),
 //! the share of its streams' recent gaps over that promise against admission's stall budget
 //! — stay under `headroom` of what the interactive routes on it promise, and it runs fewer
-//! than `per_replica` batch lines. The runner feeds at most one new line per spare replica per
+//! batch lines than [`line_cap`] allows: `per_replica` when idle, fewer as its KV usage or
+//! stall share nears the headroom (the day's peak), none there. The runner feeds at most one new line per spare replica per
 //! look, scoped to the spare replicas (`request/place.rs`: a line goes to one of them, or back
 //! to its queue), and looks once per predicted decode step, so feeding stops within one step
 //! of interactive load rising; lines already running finish.
@@ -79,15 +80,29 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64, per_replica: usiz
         };
         let under = |x: Option<f64>| x.is_none_or(|x| x < headroom);
         let lines = r.background_in_flight.load(Ordering::Relaxed) as usize;
+        let cap = line_cap(
+            per_replica,
+            parts.kv.max(stalls.map_or(0.0, |s| s / STALL_BUDGET)),
+            headroom,
+        );
+        tracing::trace!(
+            slot,
+            lines,
+            cap,
+            waiting,
+            kv = parts.kv,
+            ttft = parts.ttft,
+            itl = parts.itl,
+            stalls,
+            "trough look"
+        );
         if !waiting
-            && lines < per_replica
+            && lines < cap
             && parts.queued_prefill_tokens == 0
             && r.background_prefill_outstanding() == 0
             && !parts.preempting
-            && parts.kv < headroom
             && under(parts.ttft)
             && under(parts.itl)
-            && stalls.is_none_or(|s| s < headroom * STALL_BUDGET)
         {
             out.spare.push(slot);
         }
@@ -99,3 +114,22 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64, per_replica: usiz
     };
     out
 }
+
+/// Batch lines a replica may run while its room signal — the larger of its KV usage against the
+/// high-water mark and its stall share against admission's budget — is at `room`:
+/// `per_replica` on an idle replica, fewer in proportion as the signal nears `headroom`, none
+/// from there. Both signals are zero on an idle replica and grow with the interactive work on
+/// it: KV held by running conversations leaves less room for idle ones' cached prefixes, and a
+/// stall share near the budget holds cold follow-ups in the gateway. A flat cap ran as many
+/// lines at the day's peak as at night, and the peak's evicted follow-ups made the tail
+/// (BENCHMARKS, issue 33).
+pub fn line_cap(per_replica: usize, room: f64, headroom: f64) -> usize {
+    if room.is_nan() || room >= headroom {
+        return 0;
+    }
+    let share = 1.0 - room.max(0.0) / headroom;
+    ((per_replica as f64 * share).ceil() as usize).min(per_replica)
+}
+
+#[cfg(test)]
+mod tests;
