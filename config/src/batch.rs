@@ -11,7 +11,8 @@
 //! retention_h = 168              # finished batches and their files are deleted after this
 //! headroom = 0.7                 # a replica takes batch lines while its interactive signals
 //!                                # stay under this share of the promise (see DESIGN)
-//! max_per_replica = 4            # batch lines running on one replica at once
+//! max_per_replica = 4            # batch lines running on an idle replica at once (fewer
+//!                                # as its KV usage or stall share nears the headroom)
 //! max_in_flight = 0              # batch lines this gateway runs at once; 0: max_per_replica
 //!                                # per healthy replica
 //! lease_s = 30                   # several gateways on one database: a batch is run by one
@@ -45,8 +46,9 @@ pub struct BatchConfig {
     /// predicted signals must stay under for it to take a new batch line.
     #[serde(default = "default_headroom")]
     pub headroom: f64,
-    /// Batch lines running on one replica at once (16 put the interactive p95 TTFT at 2.5–7×
-    /// its batch-free value on the bench's L4 fleet, 4 at 1.2×: BENCHMARKS).
+    /// Batch lines running on an idle replica at once; fewer as its KV usage or stall share
+    /// nears `headroom` (`batch/trough.rs`, `line_cap`). A flat 16 put the interactive p95
+    /// TTFT at 2.5–7× its batch-free value on the bench's L4 fleet, 4 at 1.2× (BENCHMARKS).
     #[serde(default = "default_per_replica")]
     pub max_per_replica: usize,
     /// Batch lines this gateway runs at once; 0: `max_per_replica` per healthy replica.
