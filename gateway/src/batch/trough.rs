@@ -6,10 +6,10 @@
 //! the share of its streams' recent gaps over that promise against admission's stall budget
 //! — stay under `headroom` of what the interactive routes on it promise, and it runs fewer
 //! batch lines than [`line_cap`] allows: `per_replica` when idle, fewer as its KV usage or
-//! stall share nears the headroom (the day's peak), none there. The runner feeds at most one new line per spare replica per
-//! look, scoped to the spare replicas (`request/place.rs`: a line goes to one of them, or back
-//! to its queue), and looks once per predicted decode step, so feeding stops within one step
-//! of interactive load rising; lines already running finish.
+//! stall share nears the headroom (the day's peak), none there. The runner feeds at most one
+//! new line per spare replica per look, scoped to the spare replicas (`request/place.rs`: a
+//! line goes to one of them, or back to its queue), and looks once per predicted decode step,
+//! so feeding stops within one step of interactive load rising; lines already running finish.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
