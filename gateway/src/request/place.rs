@@ -11,7 +11,9 @@
 //! - **Dispatch**: the route's limits (concurrency, prompt tokens in flight), then admission per
 //!   pool replica (`routes/admissible.rs`: predicted TTFT and decode step within the promise,
 //!   stall budget, KV high-water, preemptions), then affinity patience, then the policy among
-//!   the admissible replicas.
+//!   the admissible replicas. When no replica admits it, the route's queue waits behind it,
+//!   unless every replica holds it only for `stalls` (its own long prefill on streams over
+//!   the stall budget): a mostly cached request behind it stalls nobody and goes first.
 //! - **Retry**: the request was admitted already; the policy chooses again without the replicas
 //!   it tried.
 //! - **Explain**: the dispatch path as a dry run — nothing reserved, no policy state advanced.
@@ -76,6 +78,14 @@ impl Purpose<'_> {
     }
 }
 
+/// Whether every replica holds the request only because its own prefill would stall streams
+/// already over the stall budget: a hold that a mostly cached request behind it does not share
+/// (its prefill stalls nobody), so it does not block the queue. Any other hold (the predicted
+/// TTFT or step, KV, preemptions) says the replica is short of room for everyone.
+fn only_its_own_prefill_stalls(held: &[(usize, Hold)]) -> bool {
+    !held.is_empty() && held.iter().all(|(_, h)| matches!(h, Hold::Stalls { .. }))
+}
+
 /// What placement concluded.
 #[derive(Debug)]
 pub enum Outcome {
@@ -83,7 +93,8 @@ pub enum Outcome {
     Go(RouteDecision),
     /// Not now. `blocking`: the route as a whole has no room (its limits, or no admissible
     /// replica in its pool), so those queued behind wait their turn; otherwise only this
-    /// request's preferred replica is busy (affinity patience) and others may go ahead.
+    /// request's preferred replica is busy (affinity patience), or only this request's own
+    /// prefill is too long for the replicas' stalling streams, and others may go ahead.
     Hold {
         reason: &'static str,
         blocking: bool,
@@ -359,7 +370,7 @@ impl Placer<'_> {
             Err(e) => match placement.held.first() {
                 Some((_, h)) => Outcome::Hold {
                     reason: h.label(),
-                    blocking: true,
+                    blocking: !only_its_own_prefill_stalls(&placement.held),
                 },
                 None => Outcome::Fail(e),
             },

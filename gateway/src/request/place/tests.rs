@@ -22,6 +22,13 @@ struct Fleet {
 }
 
 fn fleet() -> Fleet {
+    let mut file = PolicyFile::single(PolicyConfig::default());
+    file.prefix_in_flight_wait_ms = 60_000;
+    fleet_with(file)
+}
+
+/// The same two replicas under `file`'s routes.
+fn fleet_with(file: PolicyFile) -> Fleet {
     let names: Vec<String> = vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()];
     let cfg = GatewayConfig::with_replicas(names.clone());
     let index = Arc::new(PrefixIndex::new(10_000, 1 << 20));
@@ -38,8 +45,6 @@ fn fleet() -> Fleet {
         r.set_live(true);
         r.model.lock().set_prior(1_000.0, 0.01);
     }
-    let mut file = PolicyFile::single(PolicyConfig::default());
-    file.prefix_in_flight_wait_ms = 60_000;
     let policies = PolicyStore::new(
         file,
         None,
@@ -230,5 +235,67 @@ fn a_foreground_request_does_not_count_background_lines_as_load() {
     {
         Outcome::Go(d) => assert_eq!(d.replica, 0, "the replica without foreground work"),
         o => panic!("{o:?}"),
+    }
+}
+
+/// A cold prompt held on every replica only because its prefill would stall streams already
+/// over the stall budget does not block the queue (a mostly cached request behind it stalls
+/// nobody and may go); held for its predicted TTFT as well, it does.
+#[test]
+fn a_hold_for_stalls_alone_does_not_block_the_queue() {
+    let names = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
+    let policy = |ttft_ms: u64| {
+        let text = format!(
+            "[policy]\nkind = \"prefix_aware\"\n[[routes]]\nname = \"chat\"\n\
+             slo = {{ ttft_ms = {ttft_ms}, itl_ms = 150 }}\n"
+        );
+        PolicyFile::from_toml(&text, &names).unwrap()
+    };
+    for (ttft_ms, blocking) in [(20_000, false), (1_000, true)] {
+        let f = fleet_with(policy(ttft_ms));
+        // Both replicas stream (30 ms steps), and one gap in twelve carries a 250 ms prefill
+        // chunk: 8% of gaps stall, over the 5% budget.
+        let _streams: Vec<_> = (0..2)
+            .map(|i| InFlight::new(f.registry.replica(i).unwrap(), 400, false))
+            .collect();
+        for r in f.registry.replicas().iter() {
+            let mut m = r.model.lock();
+            for i in 0..2000 {
+                m.observe_itl(2, Duration::from_millis(if i % 12 == 0 { 250 } else { 30 }));
+            }
+        }
+        let placer = Placer {
+            fleet: &f.registry,
+            prefix: &f.prefix,
+        };
+        let active = f.policies.load();
+        let route = &active.routes[0];
+        let place = |p: &Prepared| {
+            let matched = placer.matched(p);
+            placer
+                .place(
+                    &active,
+                    route,
+                    p,
+                    &matched,
+                    Purpose::Dispatch {
+                        waited: Duration::ZERO,
+                    },
+                )
+                .outcome
+        };
+        // 1,032 cold tokens at 1,000 tokens/s: a ~1 s prefill, one more stall everywhere.
+        match place(&f.prompt) {
+            Outcome::Hold { blocking: b, .. } => {
+                assert_eq!(b, blocking, "ttft target {ttft_ms} ms")
+            }
+            o => panic!("a cold prompt went: {o:?}"),
+        }
+        // The same conversation's next turn, all but 8 tokens cached on replica 0, goes there.
+        f.prefix.sent(0, f.prompt.blocks(), None, f.registry.now_s());
+        match place(&f.prompt) {
+            Outcome::Go(d) => assert_eq!(d.replica, 0),
+            o => panic!("a cached turn was held: {o:?}"),
+        }
     }
 }
