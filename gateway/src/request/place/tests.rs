@@ -292,7 +292,8 @@ fn a_hold_for_stalls_alone_does_not_block_the_queue() {
             o => panic!("a cold prompt went: {o:?}"),
         }
         // The same conversation's next turn, all but 8 tokens cached on replica 0, goes there.
-        f.prefix.sent(0, f.prompt.blocks(), None, f.registry.now_s());
+        f.prefix
+            .sent(0, f.prompt.blocks(), None, f.registry.now_s());
         match place(&f.prompt) {
             Outcome::Go(d) => assert_eq!(d.replica, 0),
             o => panic!("a cached turn was held: {o:?}"),
