@@ -27,6 +27,28 @@ fn fleet() -> Fleet {
     fleet_with(file)
 }
 
+impl Fleet {
+    /// Where `p` goes now on the first route, as a first dispatch that has not waited.
+    fn dispatch(&self, p: &Prepared) -> Outcome {
+        let placer = Placer {
+            fleet: &self.registry,
+            prefix: &self.prefix,
+        };
+        let active = self.policies.load();
+        let matched = placer.matched(p);
+        let waited = Duration::ZERO;
+        placer
+            .place(
+                &active,
+                &active.routes[0],
+                p,
+                &matched,
+                Purpose::Dispatch { waited },
+            )
+            .outcome
+    }
+}
+
 /// The same two replicas under `file`'s routes.
 fn fleet_with(file: PolicyFile) -> Fleet {
     let names: Vec<String> = vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()];
@@ -145,26 +167,8 @@ fn a_prefix_in_flight_is_waited_for_no_longer_than_its_predicted_gain() {
 #[test]
 fn a_scoped_request_goes_only_to_a_free_replica_of_its_scope_and_never_waits() {
     let mut f = fleet();
-    let placer = Placer {
-        fleet: &f.registry,
-        prefix: &f.prefix,
-    };
-    let active = f.policies.load();
-    let route = &active.routes[0];
-    let place = |p: &Prepared| {
-        let matched = placer.matched(p);
-        placer.place(
-            &active,
-            route,
-            p,
-            &matched,
-            Purpose::Dispatch {
-                waited: Duration::ZERO,
-            },
-        )
-    };
     f.prompt.scope = Some(vec![1].into());
-    match place(&f.prompt).outcome {
+    match f.dispatch(&f.prompt) {
         Outcome::Go(d) => assert_eq!(d.replica, 1),
         o => panic!("{o:?}"),
     }
@@ -173,12 +177,12 @@ fn a_scoped_request_goes_only_to_a_free_replica_of_its_scope_and_never_waits() {
     let busy = f.registry.replica(1).unwrap();
     let (_line, _) = PendingPrefill::new(busy, 300, vec![99u64].into(), true);
     f.prompt.scope = Some(vec![0, 1].into());
-    match place(&f.prompt).outcome {
+    match f.dispatch(&f.prompt) {
         Outcome::Go(d) => assert_eq!(d.replica, 0),
         o => panic!("{o:?}"),
     }
     f.prompt.scope = Some(vec![1].into());
-    match place(&f.prompt).outcome {
+    match f.dispatch(&f.prompt) {
         Outcome::Fail(e) => {
             assert_eq!(e.status, 503);
             assert_eq!(e.body.error.code.as_deref(), Some(NO_SPARE_REPLICA));
@@ -187,7 +191,7 @@ fn a_scoped_request_goes_only_to_a_free_replica_of_its_scope_and_never_waits() {
     }
     // Unscoped, the same request may go to either.
     f.prompt.scope = None;
-    assert!(matches!(place(&f.prompt).outcome, Outcome::Go(_)));
+    assert!(matches!(f.dispatch(&f.prompt), Outcome::Go(_)));
 }
 
 /// A foreground request weighs only foreground load: replica 0 running three batch lines
@@ -264,28 +268,8 @@ fn a_hold_for_stalls_alone_does_not_block_the_queue() {
                 m.observe_itl(2, Duration::from_millis(if i % 12 == 0 { 250 } else { 30 }));
             }
         }
-        let placer = Placer {
-            fleet: &f.registry,
-            prefix: &f.prefix,
-        };
-        let active = f.policies.load();
-        let route = &active.routes[0];
-        let place = |p: &Prepared| {
-            let matched = placer.matched(p);
-            placer
-                .place(
-                    &active,
-                    route,
-                    p,
-                    &matched,
-                    Purpose::Dispatch {
-                        waited: Duration::ZERO,
-                    },
-                )
-                .outcome
-        };
         // 1,032 cold tokens at 1,000 tokens/s: a ~1 s prefill, one more stall everywhere.
-        match place(&f.prompt) {
+        match f.dispatch(&f.prompt) {
             Outcome::Hold { blocking: b, .. } => {
                 assert_eq!(b, blocking, "ttft target {ttft_ms} ms")
             }
@@ -294,7 +278,7 @@ fn a_hold_for_stalls_alone_does_not_block_the_queue() {
         // The same conversation's next turn, all but 8 tokens cached on replica 0, goes there.
         f.prefix
             .sent(0, f.prompt.blocks(), None, f.registry.now_s());
-        match place(&f.prompt) {
+        match f.dispatch(&f.prompt) {
             Outcome::Go(d) => assert_eq!(d.replica, 0),
             o => panic!("a cached turn was held: {o:?}"),
         }
