@@ -25,6 +25,11 @@ use crate::fleet::pressure::ReplicaPressure;
 /// Share of a request's gaps that may exceed the inter-token target under a p95 promise.
 pub const STALL_BUDGET: f64 = 0.05;
 
+/// How much of its TTFT budget a request held for stalls keeps over its predicted TTFT: with
+/// less left it goes (BENCHMARKS, issue 33: a cold prompt held for stalls waited into a TTFT
+/// hold, blocked the queue behind it for a second and was then shed).
+pub const STALL_HOLD_MARGIN: Duration = Duration::from_millis(100);
+
 /// Why a request may not go to a replica now.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Hold {
@@ -109,15 +114,17 @@ pub fn admissible(
     // takes at least a decode step.
     let wait = Duration::from_secs_f64(model.mean_step_wait());
     let step = model.current_step().unwrap_or(Duration::ZERO);
-    if let (Some(target), Some(predicted)) = (
-        slo.ttft,
-        model
-            .predict_ttft(p.queued_prefill_tokens, tokens, cached)
-            .map(|t| t.max(step) + wait),
-    ) {
+    let predicted_ttft = model
+        .predict_ttft(p.queued_prefill_tokens, tokens, cached)
+        .map(|t| t.max(step) + wait);
+    // What the TTFT budget left (`slo.ttft`, already less the time waited) has over the
+    // prediction; unbounded without a TTFT promise.
+    let mut slack = Duration::MAX;
+    if let (Some(target), Some(predicted)) = (slo.ttft, predicted_ttft) {
         if predicted > target {
             return Err(Hold::Ttft { predicted });
         }
+        slack = target - predicted;
     }
     if let (Some(target), Some(predicted)) = (slo.itl, model.predict_itl(p.running + 1)) {
         if predicted > target {
@@ -127,8 +134,11 @@ pub fn admissible(
     // Stalls: the inter-token promise breaks when more than 5% of a stream's gaps carry a
     // prefill chunk. A request whose own prefill takes longer than the target is one more such
     // stall for every stream there; while the replica is already over budget it waits, and a
-    // request that is mostly cached (a stall-free prefill) still goes.
-    if let Some(target) = slo.itl {
+    // request that is mostly cached (a stall-free prefill) still goes. The wait is a
+    // preference, not a promise: once the TTFT budget left covers the prediction by less
+    // than `STALL_HOLD_MARGIN` it goes, rather than wait on into a TTFT hold (which blocks
+    // the route's queue) and a shed.
+    if let Some(target) = slo.itl.filter(|_| slack > STALL_HOLD_MARGIN) {
         let own_prefill = model
             .predict_ttft(0, tokens, cached)
             .map_or(Duration::ZERO, |t| {

@@ -93,6 +93,21 @@ fn a_cache_miss_waits_while_the_replicas_streams_stall_too_often() {
         other => panic!("{other:?}"),
     }
     assert_eq!(admissible(&m, &busy, 100, 0, &slo, 0.9), Ok(()));
+    // Having waited until its TTFT budget covers its prediction (~0.52 s) by less than the
+    // margin, the miss goes rather than wait on into a TTFT hold and a shed.
+    let late = Slo {
+        ttft: Some(600 * MS),
+        ..slo
+    };
+    assert_eq!(admissible(&m, &busy, 2_000, 0, &late, 0.9), Ok(()));
+    let earlier = Slo {
+        ttft: Some(700 * MS),
+        ..slo
+    };
+    assert!(matches!(
+        admissible(&m, &busy, 2_000, 0, &earlier, 0.9),
+        Err(Hold::Stalls { .. })
+    ));
     // At 3% stalls the same miss goes.
     let mut calm = LatencyModel::default();
     calm.set_prior(4_000.0, 0.02);
