@@ -200,10 +200,6 @@ fn a_scoped_request_goes_only_to_a_free_replica_of_its_scope_and_never_waits() {
 #[test]
 fn a_foreground_request_does_not_count_background_lines_as_load() {
     let f = fleet();
-    let placer = Placer {
-        fleet: &f.registry,
-        prefix: &f.prefix,
-    };
     let lines = f.registry.replica(0).unwrap();
     let _lines: Vec<_> = (0..3)
         .map(|_| InFlight::new(lines.clone(), 400, true))
@@ -220,23 +216,13 @@ fn a_foreground_request_does_not_count_background_lines_as_load() {
     assert_eq!(loads(false), vec![0, 1]);
     assert_eq!(loads(true), vec![3, 1]);
 
-    let active = f.policies.load();
-    let route = &active.routes[0];
-    assert!(!route.background());
-    let matched = placer.matched(&f.prompt);
-    assert_eq!(matched, vec![0, 0]);
-    match placer
-        .place(
-            &active,
-            route,
-            &f.prompt,
-            &matched,
-            Purpose::Dispatch {
-                waited: Duration::ZERO,
-            },
-        )
-        .outcome
-    {
+    assert!(!f.policies.load().routes[0].background());
+    let placer = Placer {
+        fleet: &f.registry,
+        prefix: &f.prefix,
+    };
+    assert_eq!(placer.matched(&f.prompt), vec![0, 0]);
+    match f.dispatch(&f.prompt) {
         Outcome::Go(d) => assert_eq!(d.replica, 0, "the replica without foreground work"),
         o => panic!("{o:?}"),
     }
