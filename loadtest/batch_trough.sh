@@ -12,7 +12,8 @@
 # FLOPs utilisation (their model_flops over their peak_flops), the batch's finish time and
 # lines refused. Writes DIR/seed-S-MODE.{json,busy,batch} and DIR/summary.md.
 #   loadtest/batch_trough.sh --out DIR [--seeds 4,5,6] [--day 360] [--peak 8] [--low 0.125]
-#                            [--lines 20000] [--window 1h] [--modes alone,api,route]
+#                            [--lines 20000] [--ticket-words 150] [--answer-tokens 48]
+#                            [--window 1h] [--modes alone,api,route]
 # The gateway's batch settings come from KVGATE_BATCH_HEADROOM (0.7), KVGATE_BATCH_PER_REPLICA (4)
 # and KVGATE_BATCH_IN_FLIGHT (0).
 set -euo pipefail
@@ -25,6 +26,8 @@ day=360
 peak=8
 low=0.125
 lines=20000
+answer_tokens=48
+ticket_words=150
 window=1h
 modes=alone,api,route
 concurrency=128
@@ -37,10 +40,12 @@ while [ $# -gt 0 ]; do
     --peak) peak=${2:?}; shift ;;
     --low) low=${2:?}; shift ;;
     --lines) lines=${2:?}; shift ;;
+    --ticket-words) ticket_words=${2:?}; shift ;;
+    --answer-tokens) answer_tokens=${2:?}; shift ;;
     --window) window=${2:?}; shift ;;
     --modes) modes=${2:?}; shift ;;
     --concurrency) concurrency=${2:?}; shift ;;
-    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "batch_trough.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -144,10 +149,11 @@ busy_total() { # -> "wall_s busy_s_sum model_flops_sum peak_flops_sum" over the 
   echo "$(date +%s.%N) $sum"
 }
 
-# The batch job: 4 tasks (a shared system prompt each), items of ~150 words, 48 tokens out.
-python3 - "$work/batch.jsonl" "$lines" <<'PY'
+# The batch job: 4 tasks (a shared system prompt each), a ticket of --ticket-words words a line,
+# --answer-tokens out.
+python3 - "$work/batch.jsonl" "$lines" "$ticket_words" "$answer_tokens" <<'PY'
 import json, random, sys
-path, n = sys.argv[1], int(sys.argv[2])
+path, n, words_per_ticket, answer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(11)
 words = ("invoice printer refund login outage latency upgrade contract renewal billing "
          "password export dashboard alert timeout region quota migration backup restore").split()
@@ -160,10 +166,10 @@ tasks = [
 with open(path, "w") as f:
     for i in range(n):
         t = i % 4
-        ticket = " ".join(rng.choice(words) for _ in range(150))
+        ticket = " ".join(rng.choice(words) for _ in range(words_per_ticket))
         f.write(json.dumps({
             "custom_id": f"ticket-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "Qwen3-8B", "max_tokens": 48, "ignore_eos": True,
+            "body": {"model": "Qwen3-8B", "max_tokens": answer, "ignore_eos": True,
                      "messages": [{"role": "system", "content": tasks[t]},
                                   {"role": "user", "content": f"Ticket {i}: {ticket}"}]},
         }) + "\n")
