@@ -28,12 +28,16 @@ fn fleet() -> Fleet {
 }
 
 impl Fleet {
-    /// Where `p` goes now on the first route, as a first dispatch that has not waited.
-    fn dispatch(&self, p: &Prepared) -> Outcome {
-        let placer = Placer {
+    fn placer(&self) -> Placer<'_> {
+        Placer {
             fleet: &self.registry,
             prefix: &self.prefix,
-        };
+        }
+    }
+
+    /// Where `p` goes now on the first route, as a first dispatch that has not waited.
+    fn dispatch(&self, p: &Prepared) -> Outcome {
+        let placer = self.placer();
         let active = self.policies.load();
         let matched = placer.matched(p);
         let waited = Duration::ZERO;
@@ -107,10 +111,7 @@ fn fleet_with(file: PolicyFile) -> Fleet {
 #[test]
 fn a_prefix_in_flight_is_waited_for_no_longer_than_its_predicted_gain() {
     let f = fleet();
-    let placer = Placer {
-        fleet: &f.registry,
-        prefix: &f.prefix,
-    };
+    let placer = f.placer();
     let p = &f.prompt;
     // The earlier request carrying the prefix, sent to replica 0 and not answered yet: 300 of
     // its tokens still to prefill there (the speculative record says replica 0 holds it all).
@@ -217,11 +218,7 @@ fn a_foreground_request_does_not_count_background_lines_as_load() {
     assert_eq!(loads(true), vec![3, 1]);
 
     assert!(!f.policies.load().routes[0].background());
-    let placer = Placer {
-        fleet: &f.registry,
-        prefix: &f.prefix,
-    };
-    assert_eq!(placer.matched(&f.prompt), vec![0, 0]);
+    assert_eq!(f.placer().matched(&f.prompt), vec![0, 0]);
     match f.dispatch(&f.prompt) {
         Outcome::Go(d) => assert_eq!(d.replica, 0, "the replica without foreground work"),
         o => panic!("{o:?}"),
