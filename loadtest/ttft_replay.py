@@ -10,9 +10,10 @@ p90 over the requests after the warm-up:
 - *replay*: the fit of `gateway/src/fleet/ttft_fit.rs` (the plane over 1, work and attention,
   decayed least squares with the generic prior as a ridge) fed the same observations in the
   order their first tokens came back, per replica, and asked at each request's send time —
-  once as built and once per `--clip C` (each observation clipped to [prediction ÷ C,
-  prediction × C] once the replica has 8 observations: a burst of slow answers then moves
-  the plane a bounded step each);
+  once as built and once per `--clip C` (once the replica has 8 observations, a slow one
+  is taught at most C × its prediction unless the 3 before it were clipped too: a burst of
+  slow answers then moves the plane a bounded step each, a lasting slowdown is learnt as
+  without the clip; fast ones are never clipped);
 - *hindsight*: one plane per replica fitted to all of that replica's requests after the
   warm-up at once, minimising relative error — the best a plane of this form could do knowing
   every answer in advance (in-sample, so optimistic). `idle` repeats it for the requests that
@@ -51,11 +52,13 @@ def solve3(m, v):
 class Fit:
     """`TtftFit` as built, with an optional clip of each observation."""
 
-    def __init__(self, clip=None):
+    def __init__(self, clip=None, run=3):
         self.s = [[0.0] * 3 for _ in range(3)]
         self.sy = [0.0] * 3
         self.n = 0
         self.clip = clip
+        self.run = run
+        self.clipped = 0
 
     def coefficients(self):
         a0, b0, w = GENERIC
@@ -76,9 +79,13 @@ class Fit:
 
     def observe(self, x, y):
         if self.clip and self.n >= 8:
-            p = self.predict(x)
-            if p > 0:
-                y = min(max(y, p / self.clip), p * self.clip)
+            ceiling = self.predict(x) * self.clip
+            if 0 < ceiling < y:
+                self.clipped += 1
+                if self.clipped <= self.run:
+                    y = ceiling
+            else:
+                self.clipped = 0
         for i in range(3):
             for j in range(3):
                 self.s[i][j] = self.s[i][j] * FORGET + x[i] * x[j]
