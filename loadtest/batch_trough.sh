@@ -14,7 +14,7 @@
 #   loadtest/batch_trough.sh --out DIR [--seeds 4,5,6] [--day 360] [--peak 8] [--low 0.125]
 #                            [--lines 20000] [--ticket-words 150] [--answer-tokens 48]
 #                            [--window 1h] [--modes alone,api,route]
-# The gateway's batch settings come from KVGATE_BATCH_HEADROOM (0.7), KVGATE_BATCH_PER_REPLICA (4)
+# The gateway's batch settings come from KVGATE_BATCH_HEADROOM (0.7), KVGATE_BATCH_PER_REPLICA (8)
 # and KVGATE_BATCH_IN_FLIGHT (0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -129,7 +129,7 @@ tokenizer_dir = "$tok"
 path = "$work/$tag-batch.sqlite3"
 max_in_flight = ${KVGATE_BATCH_IN_FLIGHT:-0}
 headroom = ${KVGATE_BATCH_HEADROOM:-0.7}
-max_per_replica = ${KVGATE_BATCH_PER_REPLICA:-4}
+max_per_replica = ${KVGATE_BATCH_PER_REPLICA:-8}
 [access_log]
 mode = "full"
 path = "$out/logs/access-$tag.jsonl"

@@ -11,7 +11,7 @@
 //! retention_h = 168              # finished batches and their files are deleted after this
 //! headroom = 0.7                 # a replica takes batch lines while its interactive signals
 //!                                # stay under this share of the promise (see DESIGN)
-//! max_per_replica = 4            # batch lines running on an idle replica at once (fewer
+//! max_per_replica = 8            # batch lines running on an idle replica at once (fewer
 //!                                # as its KV usage or stall share nears the headroom)
 //! max_in_flight = 0              # batch lines this gateway runs at once; 0: max_per_replica
 //!                                # per healthy replica
@@ -168,7 +168,7 @@ fn default_headroom() -> f64 {
     0.7
 }
 fn default_per_replica() -> usize {
-    4
+    8
 }
 
 #[cfg(test)]

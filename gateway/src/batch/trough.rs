@@ -6,7 +6,9 @@
 //! the share of its streams' recent gaps over that promise against admission's stall budget
 //! — stay under `headroom` of what the interactive routes on it promise, and it runs fewer
 //! batch lines than [`line_cap`] allows: `per_replica` when idle, fewer as its KV usage or
-//! stall share nears the headroom (the day's peak), none there. The runner feeds at most one
+//! stall share nears the headroom (the day's peak), none there. The stall share is counted
+//! against half of admission's stall budget ([`BATCH_STALL_SHARE`]): the other half is the
+//! interactive cold prompts'. The runner feeds at most one
 //! new line per spare replica per look, scoped to the spare replicas (`request/place.rs`: a
 //! line goes to one of them, or back to its queue), and looks once per predicted decode step,
 //! so feeding stops within one step of interactive load rising; lines already running finish.
@@ -26,6 +28,14 @@ const MIN_TICK: Duration = Duration::from_millis(10);
 const MAX_TICK: Duration = Duration::from_millis(200);
 /// The pause while no replica has a learnt decode step.
 const DEFAULT_TICK: Duration = Duration::from_millis(50);
+
+/// The share of a replica's recent gaps over the inter-token promise that batch work may
+/// fill up to (times `headroom`): half of admission's stall budget, so the day's peak, where
+/// the interactive cold prompts' own stalls take the share to 2–2.5% on average and past
+/// the budget at times, runs no batch line. Against the whole budget the cap there was 2–3
+/// lines a replica, and the interactive p99 TTFT 1.15× its batch-free value, its excess
+/// cold prompts held for `stalls` (BENCHMARKS, issue 33, the full-size day's seeds 5 and 6).
+pub const BATCH_STALL_SHARE: f64 = STALL_BUDGET / 2.0;
 
 /// One look at the fleet.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -80,11 +90,7 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64, per_replica: usiz
         };
         let under = |x: Option<f64>| x.is_none_or(|x| x < headroom);
         let lines = r.background_in_flight.load(Ordering::Relaxed) as usize;
-        let cap = line_cap(
-            per_replica,
-            parts.kv.max(stalls.map_or(0.0, |s| s / STALL_BUDGET)),
-            headroom,
-        );
+        let cap = line_cap(per_replica, room(parts.kv, stalls), headroom);
         tracing::trace!(
             slot,
             lines,
@@ -94,6 +100,8 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64, per_replica: usiz
             ttft = parts.ttft,
             itl = parts.itl,
             stalls,
+            streams = r.load_for(false).requests(),
+            step_ms = r.model.lock().current_step().map(|s| s.as_secs_f64() * 1e3),
             "trough look"
         );
         if !waiting
@@ -115,8 +123,14 @@ pub fn look(a: &ActivePolicy, fleet: &Registry, headroom: f64, per_replica: usiz
     out
 }
 
+/// A replica's room signal: the larger of its KV usage against the high-water mark (`kv`) and
+/// its streams' stall share (`stalls`, none before enough gaps) against [`BATCH_STALL_SHARE`].
+pub fn room(kv: f64, stalls: Option<f64>) -> f64 {
+    kv.max(stalls.map_or(0.0, |s| s / BATCH_STALL_SHARE))
+}
+
 /// Batch lines a replica may run while its room signal — the larger of its KV usage against the
-/// high-water mark and its stall share against admission's budget — is at `room`:
+/// high-water mark and its stall share against [`BATCH_STALL_SHARE`] — is at `room`:
 /// `per_replica` on an idle replica, fewer in proportion as the signal nears `headroom`, none
 /// from there. Both signals are zero on an idle replica and grow with the interactive work on
 /// it: KV held by running conversations leaves less room for idle ones' cached prefixes, and a

@@ -111,7 +111,7 @@ const COUNTERS: &[(&str, &str)] = &[
     ),
     (
         "kvgate_gateway_admission_holds_total",
-        "Requests that had to wait, by route and the first reason (ttft, itl, kv_high_water, preempting, concurrency, token_budget, queue_order)",
+        "Requests that had to wait, by route and the first reason (ttft, itl, stalls, kv_high_water, preempting, concurrency, token_budget, queue_order, prefix_in_flight)",
     ),
     (
         "kvgate_gateway_policy_reloads_total",
