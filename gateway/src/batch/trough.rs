@@ -30,11 +30,11 @@ const MAX_TICK: Duration = Duration::from_millis(200);
 const DEFAULT_TICK: Duration = Duration::from_millis(50);
 
 /// The share of a replica's recent gaps over the inter-token promise that batch work may
-/// fill up to (times `headroom`): half of admission's stall budget, so the day's peak, where
-/// the interactive cold prompts' own stalls take the share to 2–2.5% on average and past
-/// the budget at times, runs no batch line. Against the whole budget the cap there was 2–3
-/// lines a replica, and the interactive p99 TTFT 1.15× its batch-free value, its excess
-/// cold prompts held for `stalls` (BENCHMARKS, issue 33, the full-size day's seeds 5 and 6).
+/// fill up to (times `headroom`): half of admission's stall budget, so the cap closes at
+/// 1.75% and the day's peak, where the interactive cold prompts' own stalls take the share to
+/// 2–2.5% on average, runs 1–2 lines a replica. Against the whole budget it ran 2–3 there,
+/// and the interactive p99 TTFT was 1.15× its batch-free value, its excess cold prompts held
+/// for `stalls` (BENCHMARKS, issue 33, "Half the stall budget" and the section before it).
 pub const BATCH_STALL_SHARE: f64 = STALL_BUDGET / 2.0;
 
 /// One look at the fleet.
